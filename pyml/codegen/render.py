@@ -1,0 +1,41 @@
+"""Rendering kernel templates into Python source.
+
+A kernel template (`templates/<target>/<kind>.py.j2`) renders to a block of functions for one layer
+kind, specialised to that layer's dims, all named with the prefix `p`. A kernel module is a fixed
+header (its imports) followed by the blocks of every (kind, dims) a spec needs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jinja2
+
+TEMPLATES = Path(__file__).parent / "templates"
+TARGETS = ("cpu", "cuda")
+HEADERS = {
+    "cpu": "import math\n\nimport numpy as np\nfrom numba import njit, prange\n",
+    "cuda": "import math\n\nimport numpy as np\nfrom numba import cuda\n",
+}
+
+ENVIRONMENT = jinja2.Environment(
+    loader=jinja2.FileSystemLoader(TEMPLATES),
+    undefined=jinja2.StrictUndefined,  # a template that names a dim the context lacks fails loudly
+    keep_trailing_newline=True,
+    trim_blocks=True,
+    lstrip_blocks=True,
+)
+
+
+def template_path(target: str, kind: str) -> Path:
+    return TEMPLATES / target / f"{kind}.py.j2"
+
+
+def render_block(target: str, kind: str, context: dict) -> str:
+    return ENVIRONMENT.get_template(f"{target}/{kind}.py.j2").render(**context).strip() + "\n"
+
+
+def render_kernel_module(target: str, blocks: list[tuple[str, dict]]) -> str:
+    """Source of one kernel module: the header, then one rendered block per (kind, context)."""
+    parts = [HEADERS[target]] + [render_block(target, kind, context) for kind, context in blocks]
+    return "\n\n".join(parts)

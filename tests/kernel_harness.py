@@ -1,0 +1,66 @@
+"""Render kernel blocks into a module and import it, for the kernel tests.
+
+`load(target, blocks)` renders `blocks` (a list of (kind, context)) with the module header and
+imports it. The file goes to a fixed directory under the system temp dir, named by a hash of its
+source and written only when absent, so that Numba's `cache=True` (keyed on the file's path and
+mtime) makes a second test run skip compilation. CUDA modules must be loaded in a process that set
+NUMBA_ENABLE_CUDASIM=1 before numba.cuda was first imported: see tests/test_kernels_cuda_sim.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+import tempfile
+from pathlib import Path
+
+from pyml.codegen.render import render_kernel_module
+
+CACHE_DIR = Path(tempfile.gettempdir()) / "pyml-kernel-tests"
+
+# all kinds with small dims that are not multiples of any tile or block size
+DIMS = dict(dim=24, hidden=40, vocab=50, n_heads=4, n_kv_heads=2, head_dim=8, classes=37)
+
+
+def all_blocks(target: str) -> list[tuple[str, dict]]:
+    d = DIMS
+    blocks = [
+        ("linear", dict(p="fc_bias", in_features=d["dim"], out_features=d["hidden"], bias=True)),
+        ("linear", dict(p="fc", in_features=d["dim"], out_features=d["hidden"], bias=False)),
+        ("embedding", dict(p="tok", vocab_size=d["vocab"], dim=d["dim"])),
+        ("rmsnorm", dict(p="norm", dim=d["dim"], eps=1e-5)),
+        ("rope", dict(p="rope", head_dim=d["head_dim"], theta=10000.0, max_seq_len=32)),
+        (
+            "attention",
+            dict(
+                p="attn", n_heads=d["n_heads"], n_kv_heads=d["n_kv_heads"], head_dim=d["head_dim"]
+            ),
+        ),
+        ("swiglu", dict(p="mlp", dim=d["dim"], hidden=d["hidden"])),
+        ("silu", dict(p="silu")),
+        ("gelu", dict(p="gelu")),
+        ("relu", dict(p="relu")),
+        ("residual", dict(p="res")),
+        ("cross_entropy", dict(p="ce", classes=d["classes"])),
+        ("adamw", dict(p="opt")),
+    ]
+    return blocks
+
+
+def load(target: str, blocks: list[tuple[str, dict]]):
+    source = render_kernel_module(target, blocks)
+    name = f"kernels_{target}_{hashlib.sha256(source.encode()).hexdigest()[:16]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    path = CACHE_DIR / f"{name}.py"
+    if not path.exists():
+        tmp = path.with_suffix(f".{id(source)}.tmp")
+        tmp.write_text(source, encoding="utf-8")
+        tmp.replace(path)  # atomic, so a concurrent run never imports half a file
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

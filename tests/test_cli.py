@@ -1,0 +1,51 @@
+"""The CLI as a user runs it: a subprocess, its exit status and what it prints."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PYML = [sys.executable, "-m", "pyml.cli"]
+BAD_SPECS = sorted((ROOT / "specs" / "bad").glob("*.toml"))
+
+
+def pyml(*args, cwd=ROOT):
+    return subprocess.run([*PYML, *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+def test_help_lists_the_commands():
+    result = pyml("--help")
+    assert result.returncode == 0
+    for command in ("gen", "check", "prove"):
+        assert command in result.stdout
+
+
+def test_the_seed_mismatch_message():
+    result = pyml("gen", "specs/bad/mlp_128_to_64.toml")
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "error: specs/bad/mlp_128_to_64.toml: shape mismatch between 'fc1' and 'fc2': "
+        "expected Mat<B, 64>, observed Mat<B, 128>"
+    )
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize("path", BAD_SPECS, ids=lambda p: p.name)
+def test_every_bad_spec_exits_2_with_one_line(path):
+    expected = path.read_text().splitlines()[0].removeprefix("# expect: ")
+    result = pyml("gen", str(path.relative_to(ROOT)))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0]
+
+
+def test_a_bad_spec_among_good_ones_writes_nothing(tmp_path):
+    shutil.copytree(ROOT / "specs", tmp_path / "specs")
+    shutil.copytree(ROOT / "lean", tmp_path / "lean", ignore=shutil.ignore_patterns("Generated", ".lake"))
+    result = pyml("gen", "specs/mlp_digits.toml", "specs/bad/mlp_128_to_64.toml", cwd=tmp_path)
+    assert result.returncode == 2
+    assert not (tmp_path / "gen").exists()

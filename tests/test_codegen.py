@@ -1,0 +1,62 @@
+"""The generator's links to the Lean laws, and the shape of what it emits."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from pyml.codegen import render
+from pyml.codegen.lean_instances import split_statement, substitute
+from pyml.codegen.plan import KIND_LAWS, MODEL_LAWS
+from pyml.laws import load_law_index
+
+ROOT = Path(__file__).resolve().parents[1]
+LAWS = load_law_index(ROOT / "lean")
+
+
+def test_every_law_the_generator_relies_on_is_stated_in_lean():
+    relied_on = {law for laws in KIND_LAWS.values() for law in laws} | set(MODEL_LAWS)
+    assert relied_on <= set(LAWS)
+
+
+@pytest.mark.parametrize("target", render.TARGETS)
+@pytest.mark.parametrize("kind", sorted(KIND_LAWS))
+def test_each_kernel_template_names_the_laws_it_implements(target, kind):
+    text = render.template_path(target, kind).read_text()
+    assert set(re.findall(r"Lean law ([a-z_]+)", text)) <= set(LAWS), (
+        f"{target}/{kind} names a law Lean does not state")
+    mentioned = {law for law in LAWS if re.search(rf"\b{law}\b", text)}
+    assert set(KIND_LAWS[kind]) <= mentioned
+
+
+def test_a_law_instance_is_the_law_at_the_spec_dims():
+    lean = (ROOT / "lean" / "Generated" / "MlpDigits.lean").read_text()
+    assert (
+        "theorem fc1_linear_input_adjoint (W : Mat 128 64) (g : Vec 128) (v : Vec 64) :\n"
+        "    dot g (matVec W v) = dot (matTVec W g) v :=\n"
+        "  linear_input_adjoint W g v"
+    ) in lean
+    assert "def skeleton : Chain 64 10 :=" in lean
+    # the open dim (the number of tokens) stays a variable
+    assert "theorem fc1_linear_weight_adjoint_weight {T : Nat} (G : Mat T 128) (X : Mat T 64)" in lean
+
+
+def test_statement_splitting_and_substitution():
+    binders, conclusion = split_statement(LAWS["hadamard_adjoint"].statement)
+    assert binders == ["{n : Nat}", "(g a b : Vec n)"]
+    assert substitute(conclusion, {"n": 7}) == conclusion  # no dim in the conclusion
+    assert substitute("(c s g₁ : Vec n) (hn : n = n)", {"n": 32}) == "(c s g₁ : Vec 32) (hn : 32 = 32)"
+
+
+def kernel_calls(source: str, function: str) -> list[str]:
+    body = source.split(f"def {function}(", 1)[1].split("\n    def ", 1)[0]
+    return re.findall(r"k\.([a-z0-9_]+?)_(?:forward|backward)\(", body)
+
+
+@pytest.mark.parametrize("package", ["mlp_digits", "llama_tiny"])
+def test_generated_backward_is_the_forward_reversed(package):
+    """The composition law made literal: the backward calls the forward's layers in reverse."""
+    source = (ROOT / "gen" / package / "model.py").read_text()
+    forward = [name for name in kernel_calls(source, "run_forward") if name != "residual"]
+    backward = [name for name in kernel_calls(source, "run_backward") if name != "residual"]
+    assert forward and backward == forward[::-1]

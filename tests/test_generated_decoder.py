@@ -1,0 +1,134 @@
+"""The generated decoder package against Hugging Face LlamaForCausalLM, same weights and tokens.
+
+Float64: loss, logits and every parameter gradient to rtol 1e-9, and ten AdamW steps against
+torch.optim.AdamW. Transformers computes two things in float32 whatever the model dtype (RMSNorm
+upcasts to float32, the rotary tables come from float32 cos/sin), so the float64 reference runs
+those two in float64 instead: the reference is then Llama's math in float64, which is what the
+float64 kernels claim to compute. Float32 runs transformers unchanged.
+"""
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama import modeling_llama
+
+import gen.llama_tiny as tiny
+from gen.llama_tiny import model as tiny_model
+
+
+def tiny_config():
+    return LlamaConfig(
+        vocab_size=tiny_model.VOCAB, hidden_size=tiny_model.DIM, intermediate_size=tiny_model.HIDDEN,
+        num_hidden_layers=tiny_model.N_LAYERS, num_attention_heads=tiny_model.N_HEADS,
+        num_key_value_heads=tiny_model.N_KV_HEADS, head_dim=tiny_model.HEAD_DIM,
+        max_position_embeddings=tiny_model.MAX_SEQ_LEN, rms_norm_eps=1e-5,
+        rope_theta=10000.0, tie_word_embeddings=True,
+    )
+
+
+def rms_norm_in_input_dtype(self, hidden):
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def rotary_in_float64(self, x, position_ids):
+    head_dim, theta = tiny_model.HEAD_DIM, 10000.0
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float64) / head_dim
+    freqs = position_ids[..., None].to(torch.float64) * (1.0 / theta**exponents)
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+
+
+def reference(dtype, monkeypatch):
+    torch.manual_seed(0)
+    ref = LlamaForCausalLM(tiny_config()).to(dtype)
+    ref.config._attn_implementation = "sdpa"  # eager attention takes its softmax in float32
+    if dtype == torch.float64:
+        monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", rms_norm_in_input_dtype)
+        monkeypatch.setattr(modeling_llama.LlamaRotaryEmbedding, "forward", rotary_in_float64)
+    return ref
+
+
+def ours_like(ref, dtype):
+    model = tiny.Model(dtype=dtype)
+    model.load_tensors({name: t.detach().numpy() for name, t in ref.state_dict().items()
+                        if name != "lm_head.weight"}, "reference")  # tied: lm_head is the embedding
+    return model
+
+
+def batch(seed=0, B=2, T=12):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, tiny_model.VOCAB, (B, T)), rng.integers(0, tiny_model.VOCAB, (B, T))
+
+
+def reference_loss(ref, ids, targets):
+    logits = ref(torch.tensor(ids)).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, tiny_model.VOCAB),
+                                             torch.tensor(targets).reshape(-1))
+    return logits, loss
+
+
+def relative_error(ours, theirs):
+    return np.abs(ours - theirs).max() / np.abs(theirs).max()
+
+
+@pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-9), (torch.float32, 2e-5)])
+def test_loss_logits_and_gradients_match_transformers(dtype, rtol, monkeypatch):
+    ref = reference(dtype, monkeypatch)
+    model = ours_like(ref, np.float64 if dtype == torch.float64 else np.float32)
+    ids, targets = batch()
+    logits, loss = reference_loss(ref, ids, targets)
+    loss.backward()
+    assert relative_error(model.forward(ids), logits.detach().numpy()) < rtol
+    assert model.loss_and_grads(ids, targets) == pytest.approx(loss.item(), rel=rtol)
+    grads = tiny_model.hf_tensors(tiny.Parameters(model.grads.flat))
+    for name, param in ref.named_parameters():
+        if name != "lm_head.weight":
+            assert relative_error(grads[name], param.grad.numpy()) < rtol, name
+
+
+def test_ten_adamw_steps_track_torch(monkeypatch):
+    ref = reference(torch.float64, monkeypatch)
+    model = ours_like(ref, np.float64)
+    settings = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    ours = tiny.AdamW(model, **settings)
+    theirs = torch.optim.AdamW(ref.parameters(), **settings)
+    for step in range(10):
+        ids, targets = batch(seed=step)
+        theirs.zero_grad()
+        _, loss = reference_loss(ref, ids, targets)
+        loss.backward()
+        theirs.step()
+        assert tiny.train_step(model, ours, ids, targets) == pytest.approx(loss.item(), rel=1e-9)
+    tensors = model.host_tensors()
+    for name, param in ref.named_parameters():
+        if name != "lm_head.weight":
+            assert relative_error(tensors[name], param.detach().numpy()) < 1e-9, name
+
+
+def test_bad_batches_are_user_errors():
+    from pyml.errors import PymlError
+
+    model = tiny.Model(dtype=np.float64)
+    ids, targets = batch()
+    with pytest.raises(PymlError, match="outside"):
+        model.loss_and_grads(ids + tiny_model.VOCAB, targets)
+    with pytest.raises(PymlError, match="max_seq_len"):
+        model.forward(np.zeros((1, tiny_model.MAX_SEQ_LEN + 1), np.int64))
+    with pytest.raises(PymlError, match="differs"):
+        model.loss_and_grads(ids, targets[:, :-1])
+
+
+def test_a_nonfinite_loss_leaves_weights_unchanged():
+    from pyml.errors import PymlError
+
+    model = tiny.Model(dtype=np.float64)
+    model.params.flat[:] = np.nan
+    optimizer = tiny.AdamW(model)
+    before = model.params.flat.copy()
+    ids, targets = batch()
+    with pytest.raises(PymlError, match="non-finite loss"):
+        tiny.train_step(model, optimizer, ids, targets)
+    assert np.array_equal(model.params.flat, before, equal_nan=True)
+    assert optimizer.step_count == 0
