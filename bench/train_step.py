@@ -1,0 +1,234 @@
+"""SmolLM2-135M training step: the generated package against PyTorch eager (and torch.compile).
+
+Protocol: the real SmolLM2-135M-Instruct weights (imported from the shipped GGUF), batches of
+2 x 128 tokens of the default corpus (CPython's reference documentation), AdamW. Every system starts
+from the same weights and sees the same batches. Each round runs, per system in turn, 2 warm-up
+steps and then the timed steps; 3 rounds, so systems alternate. Reported: median, min and max step
+time over all timed steps, the loss of every step (systems must agree within 1e-3 relative), the peak
+resident memory of each system (measured in a child process of its own), and the GEMM floor (the
+step's matrix-product FLOPs at the float32 GEMM rate numpy reaches on this machine, in this run).
+
+    python bench/train_step.py [--rounds 3] [--steps 5] [--compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+MODEL_DIR = ROOT / "models" / "smollm2-135m-instruct"
+B, T = 2, 128
+LR, WEIGHT_DECAY, BETAS, EPS = 3e-4, 0.1, (0.9, 0.95), 1e-8
+
+
+def ensure_model() -> Path:
+    if not (MODEL_DIR / "model.safetensors").exists():
+        from pyml.runtime.gguf_import import import_gguf
+        from pyml.runtime.smollm2_gguf import shipped_gguf_path
+
+        import_gguf(shipped_gguf_path(), MODEL_DIR, progress=False)
+    return MODEL_DIR
+
+
+def corpus_batches(n_batches: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Consecutive (inputs, targets) batches of B x T tokens from the default corpus."""
+    from tokenizers import Tokenizer
+
+    from pyml.runtime.data import load_corpus
+
+    tokenizer = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+    text = "\n\n".join(document.text for document in load_corpus(None))
+    ids = np.array(tokenizer.encode(text).ids[: n_batches * B * (T + 1)], dtype=np.int64)
+    windows = ids.reshape(n_batches, B, T + 1)
+    return [(window[:, :-1].copy(), window[:, 1:].copy()) for window in windows]
+
+
+class Ours:
+    name = "pyml (generated, Numba CPU)"
+
+    def __init__(self):
+        import gen.smollm2_135m as package
+
+        self.package = package
+        self.model = package.Model.from_safetensors(MODEL_DIR)
+        self.optimizer = package.AdamW(self.model, lr=LR, betas=BETAS, eps=EPS,
+                                       weight_decay=WEIGHT_DECAY)
+
+    def step(self, inputs, targets) -> float:
+        return self.package.train_step(self.model, self.optimizer, inputs, targets)
+
+
+class Torch:
+    name = "PyTorch eager"
+
+    def __init__(self, compiled: bool = False):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32)
+        self.model.config._attn_implementation = "sdpa"
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR, betas=BETAS, eps=EPS,
+                                           weight_decay=WEIGHT_DECAY)
+        self.forward = torch.compile(self.model) if compiled else self.model
+        if compiled:
+            self.name = "torch.compile"
+
+    def step(self, inputs, targets) -> float:
+        torch = self.torch
+        self.optimizer.zero_grad(set_to_none=True)
+        logits = self.forward(torch.from_numpy(inputs)).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 torch.from_numpy(targets).reshape(-1))
+        loss.backward()
+        self.optimizer.step()
+        return loss.item()
+
+
+SYSTEMS = {"ours": Ours, "torch": Torch, "compile": lambda: Torch(compiled=True)}
+
+
+def matmul_flops() -> float:
+    """FLOPs of the step's matrix products: forward, and twice that backward (dX and dW)."""
+    from pyml.spec import load_spec
+
+    spec = load_spec(ROOT / "specs" / "smollm2_135m.toml")
+    attention, n_tokens = spec.block.attention, B * T
+    q, kv = attention.n_heads * attention.head_dim, attention.n_kv_heads * attention.head_dim
+    d, hidden, vocab = spec.embedding.dim, spec.block.mlp.hidden, spec.embedding.vocab_size
+    per_block = 2 * n_tokens * (d * q + 2 * d * kv + q * d + 3 * d * hidden)
+    per_block += 2 * 2 * B * attention.n_heads * T * T * attention.head_dim  # QKᵀ and PV
+    forward = spec.block.count * per_block + 2 * n_tokens * d * vocab
+    return 3 * forward
+
+
+def gemm_rate() -> float:
+    """float32 GEMM FLOP/s numpy reaches here at the MLP's shape, best of 30."""
+    a = np.random.default_rng(0).standard_normal((B * T, 576), dtype=np.float32)
+    b = np.random.default_rng(1).standard_normal((576, 1536), dtype=np.float32)
+    out = np.empty((B * T, 1536), np.float32)
+    best = float("inf")
+    for _ in range(30):
+        started = time.perf_counter()
+        np.matmul(a, b, out=out)
+        best = min(best, time.perf_counter() - started)
+    return 2 * a.shape[0] * a.shape[1] * b.shape[1] / best
+
+
+def peak_memory(system: str) -> float:
+    """Peak resident memory (MiB) of a child process that loads `system` and runs 2 steps."""
+    result = subprocess.run([sys.executable, __file__, "--memory-of", system], capture_output=True,
+                            text=True, cwd=ROOT, check=True)
+    return float(result.stdout.strip().splitlines()[-1])
+
+
+def measure_memory(system: str) -> None:
+    runner = SYSTEMS[system]()
+    for inputs, targets in corpus_batches(2):
+        runner.step(inputs, targets)
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+
+def thread_counts() -> dict:
+    import numba
+    import torch
+    from threadpoolctl import threadpool_info
+
+    return {"numba": numba.get_num_threads(), "numba_layer": numba.threading_layer(),
+            "torch": torch.get_num_threads(),
+            "blas": sorted({f"{pool['prefix']}:{pool['num_threads']}" for pool in threadpool_info()})}
+
+
+def markdown(report: dict) -> str:
+    lines = [f"SmolLM2-135M training step, batch {B}x{T}, AdamW, {report['date']}, "
+             f"{report['machine']}; versions {report['versions']}; threads {report['threads']}.", "",
+             "| system | median s/step | min | max | ratio to eager | peak RSS MiB |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    eager = report["systems"]["torch"]["median_s"]
+    for key, result in report["systems"].items():
+        lines.append(f"| {result['name']} | {result['median_s']:.3f} | {result['min_s']:.3f} | "
+                     f"{result['max_s']:.3f} | {result['median_s'] / eager:.2f} | "
+                     f"{result['peak_rss_mib']:.0f} |")
+    lines += ["", f"GEMM floor: {report['gemm_floor_s']:.3f} s ({report['matmul_gflop']:.0f} GFLOP at "
+              f"{report['gemm_gflops']:.0f} GFLOP/s). Largest relative loss difference to eager over "
+              f"{report['steps_compared']} steps: {report['max_loss_rel_diff']:.2e}."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--compile", action="store_true", help="also run torch.compile (slow start)")
+    parser.add_argument("--memory-of", choices=sorted(SYSTEMS), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    ensure_model()
+    if args.memory_of:
+        measure_memory(args.memory_of)
+        return
+
+    names = ["ours", "torch"] + (["compile"] if args.compile else [])
+    per_round = args.warmup + args.steps
+    batches = corpus_batches(args.rounds * per_round)
+    runners = {name: SYSTEMS[name]() for name in names}
+    times = {name: [] for name in names}
+    losses = {name: [] for name in names}
+    for round_index in range(args.rounds):
+        for name, runner in runners.items():
+            for index in range(per_round):
+                inputs, targets = batches[round_index * per_round + index]
+                started = time.perf_counter()
+                losses[name].append(runner.step(inputs, targets))
+                elapsed = time.perf_counter() - started
+                if index >= args.warmup:
+                    times[name].append(elapsed)
+            print(f"round {round_index + 1}: {runners[name].name}: "
+                  f"median {statistics.median(times[name]):.3f} s/step", flush=True)
+
+    flops, rate = matmul_flops(), gemm_rate()
+    reference = np.array(losses["torch"])
+    import numba
+    import torch
+    import transformers
+
+    report = {
+        "date": date.today().isoformat(),
+        "machine": f"{platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores",
+        "versions": {"python": platform.python_version(), "numpy": np.__version__,
+                     "numba": numba.__version__, "torch": torch.__version__,
+                     "transformers": transformers.__version__},
+        "threads": thread_counts(),
+        "protocol": {"batch": B, "seq": T, "rounds": args.rounds, "warmup": args.warmup,
+                     "timed_steps_per_round": args.steps},
+        "systems": {name: {"name": runners[name].name, "median_s": statistics.median(times[name]),
+                           "min_s": min(times[name]), "max_s": max(times[name]),
+                           "losses": losses[name], "peak_rss_mib": peak_memory(name)}
+                    for name in names},
+        "matmul_gflop": flops / 1e9, "gemm_gflops": rate / 1e9, "gemm_floor_s": flops / rate,
+        "steps_compared": len(reference),
+        "max_loss_rel_diff": max(float(np.max(np.abs(np.array(losses[name]) - reference) / reference))
+                                 for name in names),
+    }
+    report["ratio_to_eager"] = report["systems"]["ours"]["median_s"] / report["systems"]["torch"]["median_s"]
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "train_step.json").write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS / "train_step.md").write_text(markdown(report))
+    print(markdown(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Training checkpoints: one folder per saved step, written whole or not at all.
+
+`out/step_000200/` holds model.safetensors (the weights, under the model's own tensor names),
+optimizer.safetensors (AdamW's exp_avg and exp_avg_sq as flat 1-D tensors) and state.json (the
+step, the optimizer's step count, the data position and generator state, the losses so far and the
+run's configuration). A checkpoint is written into a hidden temporary folder and renamed into
+place, so any `step_*` folder is complete; the latest is the one with the highest step. Older ones
+are deleted only after a newer one is in place, so a crash never leaves a run without one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from pyml.errors import PymlError
+from pyml.runtime.safetensors_io import atomic_write, read_safetensors, write_safetensors
+
+CHECKPOINT_PREFIX = "step_"
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+STATE_FILE = "state.json"
+OPTIMIZER_TENSORS = ("exp_avg", "exp_avg_sq")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{CHECKPOINT_PREFIX}{step:06d}"
+
+
+def list_checkpoints(out: Path) -> list[Path]:
+    """The complete checkpoints in `out`, oldest first."""
+    out = Path(out)
+    if not out.is_dir():
+        return []
+    found = []
+    for path in out.iterdir():
+        step = path.name.removeprefix(CHECKPOINT_PREFIX)
+        if path.name.startswith(CHECKPOINT_PREFIX) and step.isdigit() and path.is_dir():
+            found.append((int(step), path))
+    return [path for _, path in sorted(found)]
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    checkpoints = list_checkpoints(out)
+    return checkpoints[-1] if checkpoints else None
+
+
+def save_checkpoint(out: Path, model, optimizer, state: dict) -> Path:
+    """Write the checkpoint of `state["step"]` into `out` and return its folder; then delete the
+    older checkpoints. A checkpoint already saved for that step is kept as it is (the same run at
+    the same step has the same weights, optimizer state and data position)."""
+    out = Path(out)
+    final = out / checkpoint_name(state["step"])
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if not final.is_dir():
+            temporary = out / f".{final.name}.tmp"
+            shutil.rmtree(temporary, ignore_errors=True)  # left by a run killed while saving
+            temporary.mkdir()
+            model.to_safetensors(temporary / MODEL_FILE)
+            optimizer_state = optimizer.state()
+            write_safetensors(
+                temporary / OPTIMIZER_FILE,
+                {name: np.ascontiguousarray(optimizer_state[name]) for name in OPTIMIZER_TENSORS},
+            )
+            write_json(
+                temporary / STATE_FILE, {**state, "optimizer_step_count": optimizer.step_count}
+            )
+            _fsync_directory(temporary)
+            os.replace(temporary, final)
+            _fsync_directory(out)
+        for older in list_checkpoints(out)[:-1]:
+            if older != final:
+                shutil.rmtree(older)
+    except OSError as error:
+        raise PymlError(f"{final}: cannot write the checkpoint: {error.strerror}") from None
+    return final
+
+
+def read_state(checkpoint: Path) -> dict:
+    path = Path(checkpoint) / STATE_FILE
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise PymlError(f"{path}: cannot read the checkpoint state: {error.strerror}") from None
+    except json.JSONDecodeError as error:
+        raise PymlError(f"{path}: not valid JSON ({error.msg}, line {error.lineno})") from None
+
+
+def load_checkpoint(checkpoint: Path, model, optimizer) -> dict:
+    """Load the weights and optimizer state of `checkpoint` into `model` and `optimizer`; return
+    its state."""
+    checkpoint = Path(checkpoint)
+    state = read_state(checkpoint)
+    model.load_tensors(read_safetensors(checkpoint / MODEL_FILE), str(checkpoint / MODEL_FILE))
+    tensors = read_safetensors(checkpoint / OPTIMIZER_FILE)
+    expected_shape = (model.params.flat.shape[0],)
+    for name in OPTIMIZER_TENSORS:
+        if name not in tensors or tensors[name].shape != expected_shape:
+            raise PymlError(
+                f"{checkpoint / OPTIMIZER_FILE}: expected tensor {name} of shape {expected_shape}, "
+                f"found {tensors[name].shape if name in tensors else 'none'}"
+            )
+    optimizer.load_state(
+        {name: tensors[name].astype(model.device.dtype, copy=False) for name in OPTIMIZER_TENSORS},
+        state["optimizer_step_count"],
+    )
+    return state
+
+
+def write_json(path: Path, value: dict) -> None:
+    """Write `value` as JSON atomically: readers see the old file or the whole new one."""
+    content = (json.dumps(value, indent=1) + "\n").encode("utf-8")
+    atomic_write(Path(path), lambda handle: handle.write(content))
+
+
+def _fsync_directory(path: Path) -> None:
+    """Make the names created in `path` durable, not only the files' contents."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)

@@ -1,0 +1,176 @@
+"""Text generation with a generated decoder package and a KV cache.
+
+The model folder is what `pyml import-gguf` writes (model.safetensors, config.json, tokenizer.json,
+tokenizer_config.json, generation_config.json). Its config must describe the spec's model: a
+mismatch is reported by field before any weight is read.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from pyml.errors import PymlError
+from pyml.spec import DecoderModel, load_spec
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    new_ids: list[int]
+    text: str
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise PymlError(f"{path}: missing (is {path.parent} a folder written by `pyml import-gguf`?)") from None
+    except (OSError, ValueError) as error:
+        raise PymlError(f"{path}: not readable JSON ({error})") from None
+
+
+def config_mismatches(spec: DecoderModel, config: dict) -> list[str]:
+    """Fields of a Hugging Face LlamaConfig that disagree with the spec."""
+    attention = spec.block.attention
+    expected = {
+        "vocab_size": spec.embedding.vocab_size,
+        "hidden_size": spec.embedding.dim,
+        "num_hidden_layers": spec.block.count,
+        "num_attention_heads": attention.n_heads,
+        "num_key_value_heads": attention.n_kv_heads,
+        "head_dim": attention.head_dim,
+        "intermediate_size": spec.block.mlp.hidden,
+        "tie_word_embeddings": spec.lm_head.tied,
+        "rms_norm_eps": spec.final_norm.eps,
+        "rope_theta": attention.rope.theta if attention.rope else None,
+    }
+    return [f"{key} is {config.get(key)!r} in config.json but {value!r} in the spec"
+            for key, value in expected.items() if config.get(key) != value]
+
+
+def generated_package(spec: DecoderModel, spec_path: Path):
+    try:
+        return importlib.import_module(f"gen.{spec.name}")
+    except ModuleNotFoundError:
+        raise PymlError(f"no generated package gen/{spec.name}: run `pyml gen {spec_path}` first") from None
+
+
+def load_model(model_dir: Path, spec_path: Path, device: str = "cpu"):
+    spec = load_spec(spec_path)
+    if not isinstance(spec, DecoderModel):
+        raise PymlError(f"{spec_path}: `pyml generate` needs a decoder spec")
+    config = read_json(model_dir / "config.json")
+    mismatches = config_mismatches(spec, config)
+    if mismatches:
+        raise PymlError(f"{model_dir} does not hold the model of {spec_path}: " + "; ".join(mismatches))
+    package = generated_package(spec, spec_path)
+    return package.Model.from_safetensors(model_dir / "model.safetensors", device=device)
+
+
+def load_tokenizer(model_dir: Path) -> Tokenizer:
+    path = model_dir / "tokenizer.json"
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as error:  # tokenizers raises a bare Exception for missing or bad files
+        raise PymlError(f"{path}: cannot load the tokenizer ({error})") from None
+
+
+def render_chat(template: str, prompt: str, special_tokens: dict) -> str:
+    """The chat template applied to one user message, as transformers' apply_chat_template does
+    (a sandboxed jinja2 environment with trim_blocks and lstrip_blocks)."""
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+    def raise_exception(message):
+        raise PymlError(f"chat template: {message}")
+
+    environment.globals["raise_exception"] = raise_exception
+    return environment.from_string(template).render(
+        messages=[{"role": "user", "content": prompt}], add_generation_prompt=True, **special_tokens
+    )
+
+
+def prompt_ids(model_dir: Path, tokenizer: Tokenizer, prompt: str, chat: bool) -> list[int]:
+    if not chat:
+        return tokenizer.encode(prompt).ids
+    config = read_json(model_dir / "tokenizer_config.json")
+    template = config.get("chat_template")
+    if not template:
+        raise PymlError(f"{model_dir / 'tokenizer_config.json'}: no chat_template; drop --chat")
+    special = {key: config[key] for key in ("bos_token", "eos_token") if isinstance(config.get(key), str)}
+    return tokenizer.encode(render_chat(template, prompt, special), add_special_tokens=False).ids
+
+
+def eos_ids(model_dir: Path) -> set[int]:
+    config = read_json(model_dir / "generation_config.json")
+    eos = config.get("eos_token_id")
+    return set(eos) if isinstance(eos, list) else {eos} if isinstance(eos, int) else set()
+
+
+def next_token(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
+    """Greedy at temperature 0; otherwise softmax(logits / T) restricted to the smallest set of
+    tokens whose probability reaches top_p."""
+    if temperature == 0:
+        return int(np.argmax(logits))
+    scaled = logits.astype(np.float64) / temperature
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    order = np.argsort(-probs, kind="stable")
+    keep = int(np.searchsorted(np.cumsum(probs[order]), top_p) + 1)
+    kept = order[:keep]
+    return int(rng.choice(kept, p=probs[kept] / probs[kept].sum()))
+
+
+class TextStream:
+    """Prints decoded text as tokens arrive, holding back an incomplete UTF-8 character."""
+
+    def __init__(self, tokenizer: Tokenizer, out: TextIO | None):
+        self.tokenizer, self.out, self.ids, self.shown = tokenizer, out, [], ""
+
+    def add(self, token: int) -> None:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if self.out is not None and not text.endswith("\ufffd"):
+            self.out.write(text[len(self.shown):])
+            self.out.flush()
+            self.shown = text
+
+
+def generate(model, tokenizer: Tokenizer, ids: list[int], max_new_tokens: int, stop: set[int],
+             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+             out: TextIO | None = sys.stdout) -> Generation:
+    if max_new_tokens < 1:
+        raise PymlError("--max-new-tokens must be at least 1")
+    if not ids:
+        raise PymlError("the prompt is empty")
+    rng = np.random.default_rng(seed)
+    stream = TextStream(tokenizer, out)
+    started = time.perf_counter()
+    cache, logits = model.start_decoding(np.array([ids]), len(ids) + max_new_tokens)
+    prefill_seconds = time.perf_counter() - started
+    new_ids: list[int] = []
+    started = time.perf_counter()
+    for _ in range(max_new_tokens):
+        token = next_token(logits[0], temperature, top_p, rng)
+        new_ids.append(token)
+        if token in stop:
+            break
+        stream.add(token)
+        if len(new_ids) == max_new_tokens:
+            break
+        logits = model.decode(cache, np.array([token]))
+    decode_seconds = time.perf_counter() - started
+    decoded = max(len(new_ids) - 1, 1)  # the first new token came from the prefill's logits
+    return Generation(ids, new_ids, tokenizer.decode(new_ids),
+                      len(ids) / prefill_seconds, decoded / max(decode_seconds, 1e-9))

@@ -1,0 +1,129 @@
+"""The real SmolLM2-135M-Instruct through the generated package, against Hugging Face transformers
+loading the same GGUF: logits on a chat prompt, greedy generation, and `pyml generate` itself."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from pyml.errors import PymlError
+from pyml.runtime import generate as generation
+from pyml.runtime.gguf_import import import_gguf
+from pyml.runtime.smollm2_gguf import shipped_gguf_path
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = ROOT / "specs" / "smollm2_135m.toml"
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return import_gguf(shipped_gguf_path(), tmp_path_factory.mktemp("smollm2"), progress=False)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    gguf = shipped_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="module")
+def ours(model_dir):
+    return generation.load_model(model_dir, SPEC), generation.load_tokenizer(model_dir)
+
+
+@pytest.fixture(scope="module")
+def chat_ids(model_dir, ours):
+    return generation.prompt_ids(model_dir, ours[1], QUESTION, chat=True)
+
+
+def test_chat_prompt_ids_match_transformers(chat_ids, reference):
+    _, tokenizer = reference
+    expected = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}],
+                                             add_generation_prompt=True, tokenize=True)
+    expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
+    assert chat_ids == list(expected)
+
+
+def test_logits_match_transformers(ours, reference, chat_ids):
+    model, _ = ours
+    with torch.no_grad():
+        theirs = reference[0](torch.tensor([chat_ids])).logits[0].numpy()
+    mine = model.forward(np.array([chat_ids]))[0]
+    # float32, 30 layers, different summation orders: a few 1e-4 on logits of magnitude ~20
+    assert np.abs(mine - theirs).max() < 2e-3
+    assert (mine.argmax(-1) == theirs.argmax(-1)).all()
+
+
+def test_greedy_generation_matches_transformers(ours, reference, chat_ids, model_dir):
+    model, tokenizer = ours
+    with torch.no_grad():
+        theirs = reference[0].generate(torch.tensor([chat_ids]), max_new_tokens=32, do_sample=False,
+                                       attention_mask=torch.ones(1, len(chat_ids), dtype=torch.long))
+    theirs = theirs[0, len(chat_ids):].tolist()
+    result = generation.generate(model, tokenizer, chat_ids, 32, generation.eos_ids(model_dir), out=None)
+    assert result.new_ids == theirs
+    assert result.text.strip() == "The capital of France is Paris."
+
+
+def test_decode_steps_equal_a_full_forward(ours, chat_ids):
+    """The KV cache path gives the logits the full forward pass gives, position by position."""
+    model, _ = ours
+    full = model.forward(np.array([chat_ids]))[0]
+    cache, logits = model.start_decoding(np.array([chat_ids[:20]]), len(chat_ids))
+    assert np.abs(logits[0] - full[19]).max() < 1e-3
+    for position in range(20, len(chat_ids)):
+        logits = model.decode(cache, np.array([chat_ids[position]]))
+        assert np.abs(logits[0] - full[position]).max() < 1e-3
+
+
+def test_sampling_is_seeded_and_respects_top_p():
+    logits = np.array([5.0, 4.0, 1.0, -3.0])
+    draws = {generation.next_token(logits, 1.0, 0.5, np.random.default_rng(seed)) for seed in range(50)}
+    assert draws == {0}  # token 0 alone holds more than half the mass
+    first = [generation.next_token(logits, 1.0, 1.0, np.random.default_rng(7)) for _ in range(3)]
+    assert len(set(first)) == 1
+    assert generation.next_token(logits, 0.0, 1.0, np.random.default_rng(0)) == 0
+
+
+def test_config_that_disagrees_with_the_spec_is_named(tmp_path, model_dir):
+    import json
+    import shutil
+
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(model_dir / name, tmp_path / name)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["num_hidden_layers"] = 12
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PymlError, match="num_hidden_layers is 12 in config.json but 30 in the spec"):
+        generation.load_model(tmp_path, SPEC)
+
+
+def pyml(*args):
+    return subprocess.run([sys.executable, "-m", "pyml.cli", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_cli_generate_answers_the_chat_question(model_dir):
+    result = pyml("generate", "--model", str(model_dir), "--chat", "--prompt", QUESTION,
+                  "--max-new-tokens", "16")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    assert "decode:" in result.stderr and "tokens/s" in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "/nonexistent/model"], "config.json: missing"),
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+])
+def test_cli_generate_rejects_bad_input_in_one_line(args, message):
+    result = pyml("generate", "--prompt", "hi", *args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0]
