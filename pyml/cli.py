@@ -6,6 +6,7 @@ Every command turns a `PymlError` into one line on stderr and exit status 2; a d
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from collections.abc import Callable
 from functools import wraps
@@ -165,6 +166,40 @@ def train(
               weight_decay=weight_decay, max_grad_norm=max_grad_norm, eval_every=eval_every,
               eval_batches=eval_batches, checkpoint_every=checkpoint_every, seed=seed,
               dtype=dtype, device=device, resume=resume)
+
+
+bench_app = typer.Typer(help="Benchmarks against PyTorch and transformers (results in bench/results/).",
+                        no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+def run_benchmark(script: str, arguments: list[str]) -> None:
+    path = ROOT / "bench" / script
+    if not path.exists():
+        raise PymlError(f"{path}: not found; run the benchmarks from the project root")
+    raise typer.Exit(subprocess.run([sys.executable, str(path), *arguments], check=False).returncode)
+
+
+@bench_app.command("train")
+@user_errors
+def bench_train(
+    rounds: Annotated[int, typer.Option(help="Rounds; systems alternate within each.")] = 3,
+    steps: Annotated[int, typer.Option(help="Timed steps per system per round.")] = 5,
+    compile: Annotated[bool, typer.Option(help="Also time torch.compile (about 75 s to compile).")] = False,
+) -> None:
+    """SmolLM2-135M training step (2x128 tokens, AdamW): this project's package vs PyTorch."""
+    run_benchmark("train_step.py", ["--rounds", str(rounds), "--steps", str(steps)]
+                  + (["--compile"] if compile else []))
+
+
+@bench_app.command("generate")
+@user_errors
+def bench_generate(
+    new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 64,
+    repeats: Annotated[int, typer.Option(help="Timed runs per system.")] = 3,
+) -> None:
+    """Prefill and decode tokens/s of `pyml generate` vs transformers' generate, greedy."""
+    run_benchmark("generate.py", ["--new-tokens", str(new_tokens), "--repeats", str(repeats)])
 
 
 def main() -> None:

@@ -94,9 +94,12 @@ theorem sum_ite_eq : (n : Nat) → (k : Fin n) → (f : Fin n → Int) →
       = f ⟨0, Nat.zero_lt_succ n⟩
     have h0 : (⟨0, Nat.zero_lt_succ n⟩ : Fin (n + 1)) = ⟨0, Nat.zero_lt_succ n⟩ := rfl
     have hz : ∀ i : Fin n,
-        (if (⟨0, Nat.zero_lt_succ n⟩ : Fin (n + 1)) = i.succ then f i.succ else 0) = 0 :=
-      fun i => if_neg (fun h =>
-        Nat.succ_ne_zero i.val ((Fin.val_succ i).symm.trans (congrArg Fin.val h).symm))
+        (if (⟨0, Nat.zero_lt_succ n⟩ : Fin (n + 1)) = i.succ then f i.succ else 0) = 0 := by
+      intro i
+      -- the condition is stated with its type, so `h` below has a known type when elaborated
+      have hne0 : ¬ ((⟨0, Nat.zero_lt_succ n⟩ : Fin (n + 1)) = i.succ) := fun h =>
+        Nat.succ_ne_zero i.val ((Fin.val_succ i).symm.trans (congrArg Fin.val h).symm)
+      exact if_neg hne0
     rw [sum_succ, if_pos h0, sum_congr n hz, sum_zero n, Int.add_zero]
   | n + 1, ⟨k + 1, hk⟩, f => by
     -- `k` is a later index: the head term is `0` and the rest is the claim one index down

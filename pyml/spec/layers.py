@@ -9,7 +9,19 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    StringConstraints,
+    model_validator,
+)
+
+
+# Names become Python identifiers, package and Lean names in generated code: ASCII only.
+Identifier = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 
 
 class Strict(BaseModel):
@@ -24,7 +36,7 @@ class Strict(BaseModel):
 
 class Linear(Strict):
     kind: Literal["linear"] = "linear"
-    name: str | None = None
+    name: Identifier | None = None
     in_features: PositiveInt
     out_features: PositiveInt
     bias: bool = True
@@ -37,24 +49,24 @@ class Embedding(Strict):
 
 class RMSNorm(Strict):
     kind: Literal["rmsnorm"] = "rmsnorm"
-    name: str | None = None
+    name: Identifier | None = None
     dim: PositiveInt
     eps: PositiveFloat = 1e-5
 
 
 class ReLU(Strict):
     kind: Literal["relu"] = "relu"
-    name: str | None = None
+    name: Identifier | None = None
 
 
 class GELU(Strict):
     kind: Literal["gelu"] = "gelu"
-    name: str | None = None
+    name: Identifier | None = None
 
 
 class SiLU(Strict):
     kind: Literal["silu"] = "silu"
-    name: str | None = None
+    name: Identifier | None = None
 
 
 class RoPE(Strict):
@@ -103,7 +115,7 @@ class Residual(Strict):
     """x + body(x); the body must map a shape to itself."""
 
     kind: Literal["residual"] = "residual"
-    name: str | None = None
+    name: Identifier | None = None
     body: list[SequentialLayer] = Field(min_length=1)
 
 

@@ -12,6 +12,7 @@ from pydantic import Field, PositiveInt, model_validator
 from pyml.spec.layers import (
     DecoderBlock,
     Embedding,
+    Identifier,
     Linear,
     LMHead,
     Residual,
@@ -44,7 +45,7 @@ class SequentialModel(Strict):
     output_dim classes."""
 
     form: Literal["sequential"]
-    name: str
+    name: Identifier
     input_dim: PositiveInt
     output_dim: PositiveInt
     layers: list[SequentialLayer] = Field(min_length=1)
@@ -59,9 +60,6 @@ class SequentialModel(Strict):
         def visit(layers) -> None:
             for layer in layers:
                 if layer.name is not None:
-                    if not layer.name.isidentifier():
-                        raise ValueError(f"layer name '{layer.name}' must be a Python identifier "
-                                         "(letters, digits, _), since generated code uses it")
                     if layer.name in seen:
                         raise ValueError(f"two layers are named '{layer.name}'; names must be unique")
                     seen.add(layer.name)
@@ -83,7 +81,7 @@ class DecoderModel(Strict):
     """A Llama-family decoder: embedding, `block.count` pre-norm blocks, final norm, LM head."""
 
     form: Literal["decoder"]
-    name: str
+    name: Identifier
     max_seq_len: PositiveInt
     embedding: Embedding
     block: DecoderBlock
