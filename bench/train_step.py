@@ -2,29 +2,37 @@
 
 Protocol: the real SmolLM2-135M-Instruct weights (imported from the shipped GGUF), batches of
 2 x 128 tokens of the default corpus (CPython's reference documentation), AdamW. Every system starts
-from the same weights and sees the same batches. Each round runs, per system in turn, 2 warm-up
-steps and then the timed steps; 3 rounds, so systems alternate. Reported: median, min and max step
-time over all timed steps, the loss of every step (systems must agree within 1e-3 relative), the peak
-resident memory of each system (measured in a child process of its own), and the GEMM floor (the
-step's matrix-product FLOPs at the float32 GEMM rate numpy reaches on this machine, in this run).
+from the same weights and sees the same batches. Each system lives in a worker process of its own,
+started with the environment this script was started with (pyml's thread-pool settings apply only
+in pyml's worker, which sets them on import; PyTorch keeps its defaults). Each round asks each
+worker in turn for 2 warm-up steps and then the timed steps; 3 rounds, so systems alternate while
+the idle one waits. Reported: median, min and max step time over all timed steps, the loss of
+every step (systems must agree within 1e-3 relative), each worker's peak resident memory, and the
+GEMM floor (the step's matrix-product FLOPs at the float32 GEMM rate numpy reaches on this machine,
+in this run).
 
     python bench/train_step.py [--rounds 3] [--steps 5] [--compile]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import platform
-import resource
-import statistics
-import subprocess
-import sys
-import time
-from datetime import date
-from pathlib import Path
+import os
 
-import numpy as np
+# Captured before anything imports pyml (which sets thread-pool variables on import), so each
+# worker starts from the environment the user gave.
+START_ENVIRONMENT = dict(os.environ)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import multiprocessing  # noqa: E402
+import platform  # noqa: E402
+import resource  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from datetime import date  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -128,40 +136,64 @@ def gemm_rate() -> float:
     return 2 * a.shape[0] * a.shape[1] * b.shape[1] / best
 
 
-def peak_memory(system: str) -> float:
-    """Peak resident memory (MiB) of a child process that loads `system` and runs 2 steps."""
-    result = subprocess.run([sys.executable, __file__, "--memory-of", system], capture_output=True,
-                            text=True, cwd=ROOT, check=True)
-    return float(result.stdout.strip().splitlines()[-1])
-
-
-def measure_memory(system: str) -> None:
+def worker(system: str, connection) -> None:
+    """Load `system`, then answer each list of batches with (loss, seconds) per step; on None,
+    answer with the peak resident memory (MiB) and the thread pools, and stop."""
     runner = SYSTEMS[system]()
-    for inputs, targets in corpus_batches(2):
-        runner.step(inputs, targets)
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    while (batches := connection.recv()) is not None:
+        results = []
+        for inputs, targets in batches:
+            started = time.perf_counter()
+            loss = runner.step(inputs, targets)
+            results.append((loss, time.perf_counter() - started))
+        connection.send(results)
+    connection.send((runner.name, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                     thread_counts()))
+
+
+def start_worker(context, system: str):
+    """A worker for `system`, with the start environment; pyml's worker also gets the thread-pool
+    settings pyml makes on import, since in a spawned child numpy loads before pyml does."""
+    from pyml import THREAD_POOL_ENVIRONMENT
+
+    parent_end, child_end = context.Pipe()
+    current = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(START_ENVIRONMENT)  # a spawned child inherits os.environ as it is now
+    if system == "ours":
+        os.environ.update({name: value for name, value in THREAD_POOL_ENVIRONMENT.items()
+                           if name not in START_ENVIRONMENT})
+    try:
+        process = context.Process(target=worker, args=(system, child_end), daemon=True)
+        process.start()
+    finally:
+        os.environ.clear()
+        os.environ.update(current)
+    return process, parent_end
 
 
 def thread_counts() -> dict:
-    import numba
-    import torch
+    """The thread pools loaded in this process and the variables that steer them."""
     from threadpoolctl import threadpool_info
 
-    return {"numba": numba.get_num_threads(), "numba_layer": numba.threading_layer(),
-            "torch": torch.get_num_threads(),
-            "blas": sorted({f"{pool['prefix']}:{pool['num_threads']}" for pool in threadpool_info()})}
+    pools = sorted({f"{pool['prefix']}:{pool['num_threads']}" for pool in threadpool_info()})
+    steering = {key: os.environ[key] for key in ("OMP_WAIT_POLICY", "OPENBLAS_THREAD_TIMEOUT",
+                                                 "OMP_NUM_THREADS") if key in os.environ}
+    return {"pools": pools, "environment": steering}
 
 
 def markdown(report: dict) -> str:
     lines = [f"SmolLM2-135M training step, batch {B}x{T}, AdamW, {report['date']}, "
-             f"{report['machine']}; versions {report['versions']}; threads {report['threads']}.", "",
+             f"{report['machine']}; versions {report['versions']}.", "",
              "| system | median s/step | min | max | ratio to eager | peak RSS MiB |",
              "| --- | --- | --- | --- | --- | --- |"]
     eager = report["systems"]["torch"]["median_s"]
-    for key, result in report["systems"].items():
+    for result in report["systems"].values():
         lines.append(f"| {result['name']} | {result['median_s']:.3f} | {result['min_s']:.3f} | "
                      f"{result['max_s']:.3f} | {result['median_s'] / eager:.2f} | "
                      f"{result['peak_rss_mib']:.0f} |")
+    lines += [""] + [f"Threads, {result['name']}: {result['threads']}."
+                     for result in report["systems"].values()]
     lines += ["", f"GEMM floor: {report['gemm_floor_s']:.3f} s ({report['matmul_gflop']:.0f} GFLOP at "
               f"{report['gemm_gflops']:.0f} GFLOP/s). Largest relative loss difference to eager over "
               f"{report['steps_compared']} steps: {report['max_loss_rel_diff']:.2e}."]
@@ -174,30 +206,29 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per round")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--compile", action="store_true", help="also run torch.compile (slow start)")
-    parser.add_argument("--memory-of", choices=sorted(SYSTEMS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     ensure_model()
-    if args.memory_of:
-        measure_memory(args.memory_of)
-        return
 
     names = ["ours", "torch"] + (["compile"] if args.compile else [])
     per_round = args.warmup + args.steps
     batches = corpus_batches(args.rounds * per_round)
-    runners = {name: SYSTEMS[name]() for name in names}
+    context = multiprocessing.get_context("spawn")
+    workers = {name: start_worker(context, name) for name in names}
     times = {name: [] for name in names}
     losses = {name: [] for name in names}
     for round_index in range(args.rounds):
-        for name, runner in runners.items():
-            for index in range(per_round):
-                inputs, targets = batches[round_index * per_round + index]
-                started = time.perf_counter()
-                losses[name].append(runner.step(inputs, targets))
-                elapsed = time.perf_counter() - started
-                if index >= args.warmup:
-                    times[name].append(elapsed)
-            print(f"round {round_index + 1}: {runners[name].name}: "
-                  f"median {statistics.median(times[name]):.3f} s/step", flush=True)
+        for name, (_, connection) in workers.items():
+            connection.send(batches[round_index * per_round:(round_index + 1) * per_round])
+            results = connection.recv()
+            losses[name] += [loss for loss, _ in results]
+            times[name] += [seconds for _, seconds in results[args.warmup:]]
+            print(f"round {round_index + 1}: {name}: median {statistics.median(times[name]):.3f} s/step",
+                  flush=True)
+    finals = {}
+    for name, (process, connection) in workers.items():
+        connection.send(None)
+        finals[name] = connection.recv()
+        process.join()
 
     flops, rate = matmul_flops(), gemm_rate()
     reference = np.array(losses["torch"])
@@ -211,12 +242,12 @@ def main() -> None:
         "versions": {"python": platform.python_version(), "numpy": np.__version__,
                      "numba": numba.__version__, "torch": torch.__version__,
                      "transformers": transformers.__version__},
-        "threads": thread_counts(),
         "protocol": {"batch": B, "seq": T, "rounds": args.rounds, "warmup": args.warmup,
                      "timed_steps_per_round": args.steps},
-        "systems": {name: {"name": runners[name].name, "median_s": statistics.median(times[name]),
+        "systems": {name: {"name": finals[name][0], "median_s": statistics.median(times[name]),
                            "min_s": min(times[name]), "max_s": max(times[name]),
-                           "losses": losses[name], "peak_rss_mib": peak_memory(name)}
+                           "losses": losses[name], "peak_rss_mib": finals[name][1],
+                           "threads": finals[name][2]}
                     for name in names},
         "matmul_gflop": flops / 1e9, "gemm_gflops": rate / 1e9, "gemm_floor_s": flops / rate,
         "steps_compared": len(reference),

@@ -3,9 +3,13 @@
 import os
 
 # Numba's parallel kernels run on OpenMP (libgomp) and the matrix products on OpenBLAS: two thread
-# pools on the same cores, used in turn. libgomp's default is to spin after a parallel region,
-# which starves the BLAS threads that run next (a one-token decode step went from 30 ms to 800 ms
-# on 2 cores). Passive waiting must be chosen before libgomp loads, hence here, on first import.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# pools on the same cores, used in turn. By default both spin after their work, starving the pool
+# that runs next: libgomp's spinning made a one-token decode step take 800 ms instead of 30 ms on 2
+# cores, and OpenBLAS's made the Numba kernels after each matrix product about 2x slower (training
+# step 1.51 s -> 1.42 s with the short timeout). Both are read when the libraries load, so they are
+# set here, on pyml's first import, which generated packages and the CLI do before importing numpy.
+THREAD_POOL_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE", "OPENBLAS_THREAD_TIMEOUT": "4"}
+for name, value in THREAD_POOL_ENVIRONMENT.items():
+    os.environ.setdefault(name, value)
 
 __version__ = "0.1.0"

@@ -2,7 +2,7 @@
 
 The same cases as tests/test_conformance.py (the logic is in tests/conformance_cases.py), with
 arrays moved to the (simulated) device and back. Not collected directly (the name does not start
-with test_): tests/test_conformance_cuda_sim.py runs this file in a child pytest process with
+with test_): tests/test_cuda_sim.py runs this file in a child pytest process with
 NUMBA_ENABLE_CUDASIM=1, because the variable only takes effect if it is set before numba.cuda is
 first imported, and pytest imports every test module of a session before running any. Fewer
 seeds than on the CPU: the simulator runs each thread as a Python thread.

@@ -1,6 +1,6 @@
 """CUDA kernels under Numba's CUDA simulator, against the CPU kernels (float64, rtol 1e-12).
 
-Not collected directly (the name does not start with test_): tests/test_kernels_cuda_sim.py runs
+Not collected directly (the name does not start with test_): tests/test_cuda_sim.py runs
 this file in a child pytest process with NUMBA_ENABLE_CUDASIM=1, because the variable only takes
 effect if it is set before numba.cuda is first imported, and pytest imports every test module of a
 session before running any.

@@ -4,7 +4,7 @@
 imports it. The file goes to a fixed directory under the system temp dir, named by a hash of its
 source and written only when absent, so that Numba's `cache=True` (keyed on the file's path and
 mtime) makes a second test run skip compilation. CUDA modules must be loaded in a process that set
-NUMBA_ENABLE_CUDASIM=1 before numba.cuda was first imported: see tests/test_kernels_cuda_sim.py.
+NUMBA_ENABLE_CUDASIM=1 before numba.cuda was first imported: see tests/test_cuda_sim.py.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Every kernel of a linear map runs on small-integer float64 inputs, where float arithmetic is exact,
 and must equal the Python mirror of the Lean exact model (`pyml/exact.py`) exactly. The case logic
 is in tests/conformance_cases.py, shared with the CUDA kernels (tests/conformance_cuda_cases.py,
-run under Numba's CUDA simulator by tests/test_conformance_cuda_sim.py). Seed 0 draws every free
+run under Numba's CUDA simulator by tests/test_cuda_sim.py). Seed 0 draws every free
 size as 1.
 """
 

@@ -153,31 +153,40 @@ def loss_count_valid_kernel(targets):
 @njit(cache=True, parallel=True)
 def loss_loss_sum_kernel(logits, targets, dlogits, inv_n_valid, write_grad):
     # logits, dlogits are (N, 10) and may alias (dlogits overwrites logits row by row, after
-    # the row has been read). Per row: one pass for the max, one for the sum of exponentials, one
-    # writing dlogits = (softmax - onehot) / n_valid. Returns the float64 sum of the row losses.
+    # the row has been read). Per row: one pass for the max; one for the exponentials, stored into
+    # dlogits and summed; one scaling them in place to dlogits = (softmax - onehot) / n_valid.
+    # Without write_grad (dlogits is then logits itself) the second pass only sums.
+    # exp runs in the logits' dtype (float32 exp is several times cheaper), each row's sum in
+    # float64. Returns the float64 sum of the row losses.
     n_rows = logits.shape[0]
     partial = np.zeros(LOSS_CHUNKS)
     rows_per_chunk = (n_rows + LOSS_CHUNKS - 1) // LOSS_CHUNKS
     for chunk in prange(LOSS_CHUNKS):
         for n in range(chunk * rows_per_chunk, min((chunk + 1) * rows_per_chunk, n_rows)):
             target = targets[n]
+            x, d = logits[n], dlogits[n]
             if target == LOSS_IGNORE_INDEX:
                 if write_grad:
-                    for c in range(LOSS_CLASSES):
-                        dlogits[n, c] = 0.0
+                    d[:] = 0.0
                 continue
-            row_max = -np.inf
-            for c in range(LOSS_CLASSES):
-                row_max = max(row_max, np.float64(logits[n, c]))
+            row_max = x[0]
+            for c in range(1, LOSS_CLASSES):
+                row_max = max(row_max, x[c])
+            target_logit = np.float64(x[target])  # read before d, which may be x, is written
             total = 0.0
-            for c in range(LOSS_CLASSES):
-                total += math.exp(np.float64(logits[n, c]) - row_max)
-            partial[chunk] += math.log(total) + row_max - np.float64(logits[n, target])
             if write_grad:
+                for c in range(LOSS_CLASSES):
+                    e = math.exp(x[c] - row_max)
+                    d[c] = e
+                    total += e
                 scale = inv_n_valid / total
                 for c in range(LOSS_CLASSES):
-                    dlogits[n, c] = math.exp(np.float64(logits[n, c]) - row_max) * scale
-                dlogits[n, target] -= inv_n_valid
+                    d[c] *= scale
+                d[target] -= inv_n_valid
+            else:
+                for c in range(LOSS_CLASSES):
+                    total += math.exp(x[c] - row_max)
+            partial[chunk] += math.log(total) + np.float64(row_max) - target_logit
     loss_sum = 0.0
     for chunk in range(LOSS_CHUNKS):
         loss_sum += partial[chunk]

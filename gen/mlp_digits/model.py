@@ -7,10 +7,11 @@ backward pass their adjoints in reverse order (Lean law `compose_adjoint`).
 
 import math
 
-import numpy as np
-
+# pyml first: its import sets the thread-pool policy that numpy's OpenBLAS reads when it loads
 from pyml.errors import PymlError
 from pyml.runtime.safetensors_io import read_safetensors, write_safetensors
+
+import numpy as np
 
 SPEC_NAME = "mlp_digits"
 INPUT_DIM = 64

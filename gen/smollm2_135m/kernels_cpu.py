@@ -248,96 +248,142 @@ ATTENTION_N_KV_HEADS = 3
 ATTENTION_GROUP = 3
 ATTENTION_HEAD_DIM = 64
 ATTENTION_SCALE = 1.0 / math.sqrt(64)
+# The four products run through numpy's OpenBLAS, one (G*T x ...) product per (batch, kv head): the
+# 3 query heads of a group are stacked as rows, so Q is viewed as (B, 3, G*T, 64) against
+# K (B, 3, T, 64). K, V, dK, dV are used as strided views of the caller's (B, T, 3, 64)
+# arrays (BLAS takes the row stride); Q, O, dO, dQ need head-major copies in scratch buffers.
+# The products are full (T x T); the causal mask is applied in the fused softmax kernels.
+# Scratch: one set per (B, T, dtype), allocated on first use, so nothing is allocated in the step.
+ATTENTION_SCRATCH = {}
+
+
+def attention_scratch(n_batch, n_tokens, dtype):
+    # (heads, rows, scores): heads holds Q head-major, rows holds O, dO or dQ head-major, both
+    # (B, 3, G*T, 64); scores holds S, then dP, then dS, (B, 3, G*T, T)
+    key = (n_batch, n_tokens, np.dtype(dtype))
+    if key not in ATTENTION_SCRATCH:
+        rows = ATTENTION_GROUP * n_tokens
+        ATTENTION_SCRATCH[key] = (
+            np.empty((n_batch, ATTENTION_N_KV_HEADS, rows, ATTENTION_HEAD_DIM), dtype),
+            np.empty((n_batch, ATTENTION_N_KV_HEADS, rows, ATTENTION_HEAD_DIM), dtype),
+            np.empty((n_batch, ATTENTION_N_KV_HEADS, rows, n_tokens), dtype),
+        )
+    return ATTENTION_SCRATCH[key]
+
+
+def attention_head_major(x, n_batch, n_tokens):
+    # the (B, 3, G*T, 64) scratch x viewed as (B, 9, T, 64): head h = kv * G + i is
+    # rows i*T .. i*T+T-1 of kv head kv
+    return x.reshape(n_batch, ATTENTION_N_HEADS, n_tokens, ATTENTION_HEAD_DIM)
+
+
+def attention_split_heads(x):
+    # (B, T, 9 * 64) viewed as (B, T, 9, 64) for any strides of x (a reshape would
+    # silently copy a non-contiguous x, and writes to the copy would be lost)
+    s0, s1, s2 = x.strides
+    shape = (x.shape[0], x.shape[1], ATTENTION_N_HEADS, ATTENTION_HEAD_DIM)
+    return np.lib.stride_tricks.as_strided(x, shape, (s0, s1, ATTENTION_HEAD_DIM * s2, s2))
 
 
 @njit(cache=True, parallel=True)
+def attention_softmax_forward_kernel(scores, scale, att):
+    # scores is (B, 3, G*T, T) = Q Kᵀ unscaled, att is (B, 9, T, T). Per row (b, h, t):
+    # att[t, j] = softmax over j <= t of scale s[t, j], 0 above the diagonal (the full product computed
+    # those scores too; they are ignored here). exp in the input's dtype, the row sum in float64.
+    n_batch, n_tokens = att.shape[0], att.shape[2]
+    for row in prange(n_batch * ATTENTION_N_HEADS * n_tokens):
+        b = row // (ATTENTION_N_HEADS * n_tokens)
+        h = (row // n_tokens) % ATTENTION_N_HEADS
+        t = row % n_tokens
+        s = scores[b, h // ATTENTION_GROUP, (h % ATTENTION_GROUP) * n_tokens + t]
+        a = att[b, h, t]
+        row_max = s[0]
+        for j in range(1, t + 1):
+            row_max = max(row_max, s[j])
+        total = 0.0
+        for j in range(t + 1):
+            e = math.exp((s[j] - row_max) * scale)
+            a[j] = e
+            total += e
+        inv_total = 1.0 / total
+        for j in range(t + 1):
+            a[j] *= inv_total
+        for j in range(t + 1, n_tokens):
+            a[j] = 0.0
+
+
 def attention_forward(q, k, v, att, out):
     # q is (B, T, 9, 64), k and v are (B, T, 3, 64),
     # att is (B, 9, T, T): the softmax probabilities (0 above the diagonal), saved for the backward,
-    # out is (B, T, 9 * 64) viewed as (B, T, 9, 64).
-    # scores s[t, j] = q[t] . k[j] * scale (Lean law matmul_adjoint_left/right cover this product in the
-    # backward), att = softmax over j <= t, out[t] = sum_j att[t, j] v[j] (the second product).
+    # out is (B, T, 9 * 64).
+    # S = Q Kᵀ, P = softmax(scale S) causal, O = P V (the backward names the Lean laws of each product).
     n_batch, n_tokens = q.shape[0], q.shape[1]
-    out4 = out.reshape(n_batch, n_tokens, ATTENTION_N_HEADS, ATTENTION_HEAD_DIM)
-    for bh in prange(n_batch * ATTENTION_N_HEADS):
-        b = bh // ATTENTION_N_HEADS
-        h = bh % ATTENTION_N_HEADS
-        g = h // ATTENTION_GROUP
-        for t in range(n_tokens):
-            # pass 1: scores into att, and their max (for a stable exp)
-            row_max = -np.inf
-            for j in range(t + 1):
-                s = 0.0
-                for d in range(ATTENTION_HEAD_DIM):
-                    s += q[b, t, h, d] * k[b, j, g, d]
-                s *= ATTENTION_SCALE
-                att[b, h, t, j] = s
-                row_max = max(row_max, s)
-            # pass 2: exponentials and their sum
-            total = 0.0
-            for j in range(t + 1):
-                e = math.exp(att[b, h, t, j] - row_max)
-                att[b, h, t, j] = e
-                total += e
-            inv_total = 1.0 / total
-            for j in range(t + 1):
-                att[b, h, t, j] *= inv_total
-            for j in range(t + 1, n_tokens):
-                att[b, h, t, j] = 0.0
-            # out[t] = sum_j att[t, j] v[j]
-            for d in range(ATTENTION_HEAD_DIM):
-                out4[b, t, h, d] = 0.0
-            for j in range(t + 1):
-                a = att[b, h, t, j]
-                for d in range(ATTENTION_HEAD_DIM):
-                    out4[b, t, h, d] += a * v[b, j, g, d]
+    heads, rows, scores = attention_scratch(n_batch, n_tokens, q.dtype)
+    np.copyto(attention_head_major(heads, n_batch, n_tokens), q.transpose(0, 2, 1, 3))
+    # S = Q Kᵀ: (G*T, 64) (64, T) per (b, kv head)
+    np.matmul(heads, k.transpose(0, 2, 3, 1), out=scores)
+    attention_softmax_forward_kernel(scores, att.dtype.type(ATTENTION_SCALE), att)
+    # O = P V: (G*T, T) (T, 64) per (b, kv head); att is read through a (G*T, T) view
+    probs = att.reshape(n_batch, ATTENTION_N_KV_HEADS, ATTENTION_GROUP * n_tokens, n_tokens)
+    np.matmul(probs, v.transpose(0, 2, 1, 3), out=rows)
+    np.copyto(
+        attention_split_heads(out).transpose(0, 2, 1, 3),
+        attention_head_major(rows, n_batch, n_tokens),
+    )
 
 
 @njit(cache=True, parallel=True)
+def attention_softmax_backward_kernel(probs, scale, grad):
+    # probs (P) and grad are (B, 3, G*T, T); grad holds dP and is overwritten with
+    # dS = scale P ⊙ (dP - rowsum(P ⊙ dP)), the row sum over j <= t in order, in float64.
+    n_batch, n_rows, n_tokens = probs.shape[0], probs.shape[2], probs.shape[3]
+    for row in prange(n_batch * ATTENTION_N_KV_HEADS * n_rows):
+        b = row // (ATTENTION_N_KV_HEADS * n_rows)
+        g = (row // n_rows) % ATTENTION_N_KV_HEADS
+        r = row % n_rows
+        t = r % n_tokens
+        a, d = probs[b, g, r], grad[b, g, r]
+        row_dot = 0.0
+        for j in range(t + 1):
+            row_dot += a[j] * d[j]
+        for j in range(t + 1):
+            d[j] = a[j] * (d[j] - row_dot) * scale
+        for j in range(t + 1, n_tokens):
+            d[j] = 0.0
+
+
 def attention_backward(q, k, v, att, dout, dq, dk, dv):
     # in the forward pass this was:
-    #   s[t, j] = q[t] . k[j] * scale;  att[t] = softmax(s[t, :t+1]);  out[t] = sum_j att[t, j] v[j]
+    #   S = Q Kᵀ;  P = softmax(scale S) causal;  O = P V      (per (b, kv head), the group's heads as rows)
     # so now we have:
-    #   datt[t, j] = dout[t] . v[j]              Lean law matmul_adjoint_left  (dA = G Bᵀ)
-    #   dv[j] += att[t, j] dout[t]               Lean law matmul_adjoint_right (dB = Aᵀ G)
-    #   ds[t, j] = att[t, j] (datt[t, j] - sum_j' att[t, j'] datt[t, j'])   softmax: no Lean law,
-    #                                            numerics checked against PyTorch and finite differences
-    #   dq[t] += scale ds[t, j] k[j]             Lean law matmul_adjoint_left
-    #   dk[j] += scale ds[t, j] q[t]             Lean law matmul_adjoint_right
-    # dq, dk, dv are overwritten. Each thread owns one (b, kv head) and loops over the query heads of
-    # its group in order, so the sums into dk and dv are deterministic. datt is recomputed rather than
-    # stored (nothing is allocated): once for the row's sum, once for ds.
+    #   dP = dO Vᵀ                                Lean law matmul_adjoint_left  (dA = G Bᵀ)
+    #   dV = Pᵀ dO                                Lean law matmul_adjoint_right (dB = Aᵀ G)
+    #   dS = scale P ⊙ (dP - rowsum(P ⊙ dP))      softmax: no Lean law,
+    #                                             numerics checked against PyTorch and finite differences
+    #   dQ = dS K                                 Lean law matmul_adjoint_left
+    #   dK = dSᵀ Q                                Lean law matmul_adjoint_right
+    # Stacking the group's heads as rows makes the sums over the group part of one product, so dV and
+    # dK are one (T, G*T) (G*T, 64) product per (b, kv head). dq, dk, dv are overwritten.
     # q, dq are (B, T, 9, 64), k, v, dk, dv are (B, T, 3, 64),
     # att is (B, 9, T, T), dout is (B, T, 9 * 64).
     n_batch, n_tokens = q.shape[0], q.shape[1]
-    dout4 = dout.reshape(n_batch, n_tokens, ATTENTION_N_HEADS, ATTENTION_HEAD_DIM)
-    for bg in prange(n_batch * ATTENTION_N_KV_HEADS):
-        b = bg // ATTENTION_N_KV_HEADS
-        g = bg % ATTENTION_N_KV_HEADS
-        for t in range(n_tokens):
-            for d in range(ATTENTION_HEAD_DIM):
-                dk[b, t, g, d] = 0.0
-                dv[b, t, g, d] = 0.0
-        for h in range(g * ATTENTION_GROUP, (g + 1) * ATTENTION_GROUP):
-            for t in range(n_tokens):
-                for d in range(ATTENTION_HEAD_DIM):
-                    dq[b, t, h, d] = 0.0
-                row_dot = 0.0
-                for j in range(t + 1):
-                    datt = 0.0
-                    for d in range(ATTENTION_HEAD_DIM):
-                        datt += dout4[b, t, h, d] * v[b, j, g, d]
-                    row_dot += att[b, h, t, j] * datt
-                for j in range(t + 1):
-                    a = att[b, h, t, j]
-                    datt = 0.0
-                    for d in range(ATTENTION_HEAD_DIM):
-                        datt += dout4[b, t, h, d] * v[b, j, g, d]
-                    ds = a * (datt - row_dot) * ATTENTION_SCALE
-                    for d in range(ATTENTION_HEAD_DIM):
-                        dv[b, j, g, d] += a * dout4[b, t, h, d]
-                        dq[b, t, h, d] += ds * k[b, j, g, d]
-                        dk[b, j, g, d] += ds * q[b, t, h, d]
+    heads, rows, grad = attention_scratch(n_batch, n_tokens, q.dtype)
+    probs = att.reshape(n_batch, ATTENTION_N_KV_HEADS, ATTENTION_GROUP * n_tokens, n_tokens)
+    np.copyto(
+        attention_head_major(rows, n_batch, n_tokens),
+        attention_split_heads(dout).transpose(0, 2, 1, 3),
+    )
+    # dP = dO Vᵀ (matmul_adjoint_left)
+    np.matmul(rows, v.transpose(0, 2, 3, 1), out=grad)
+    # dV = Pᵀ dO (matmul_adjoint_right), summed over the group inside the product
+    np.matmul(probs.transpose(0, 1, 3, 2), rows, out=dv.transpose(0, 2, 1, 3))
+    attention_softmax_backward_kernel(probs, att.dtype.type(ATTENTION_SCALE), grad)
+    # dQ = dS K (matmul_adjoint_left)
+    np.matmul(grad, k.transpose(0, 2, 1, 3), out=rows)
+    np.copyto(dq.transpose(0, 2, 1, 3), attention_head_major(rows, n_batch, n_tokens))
+    # dK = dSᵀ Q (matmul_adjoint_right), summed over the group inside the product
+    np.copyto(attention_head_major(heads, n_batch, n_tokens), q.transpose(0, 2, 1, 3))
+    np.matmul(grad.transpose(0, 1, 3, 2), heads, out=dk.transpose(0, 2, 1, 3))
 
 
 @njit(cache=True, parallel=True)
@@ -696,31 +742,40 @@ def loss_count_valid_kernel(targets):
 @njit(cache=True, parallel=True)
 def loss_loss_sum_kernel(logits, targets, dlogits, inv_n_valid, write_grad):
     # logits, dlogits are (N, 49152) and may alias (dlogits overwrites logits row by row, after
-    # the row has been read). Per row: one pass for the max, one for the sum of exponentials, one
-    # writing dlogits = (softmax - onehot) / n_valid. Returns the float64 sum of the row losses.
+    # the row has been read). Per row: one pass for the max; one for the exponentials, stored into
+    # dlogits and summed; one scaling them in place to dlogits = (softmax - onehot) / n_valid.
+    # Without write_grad (dlogits is then logits itself) the second pass only sums.
+    # exp runs in the logits' dtype (float32 exp is several times cheaper), each row's sum in
+    # float64. Returns the float64 sum of the row losses.
     n_rows = logits.shape[0]
     partial = np.zeros(LOSS_CHUNKS)
     rows_per_chunk = (n_rows + LOSS_CHUNKS - 1) // LOSS_CHUNKS
     for chunk in prange(LOSS_CHUNKS):
         for n in range(chunk * rows_per_chunk, min((chunk + 1) * rows_per_chunk, n_rows)):
             target = targets[n]
+            x, d = logits[n], dlogits[n]
             if target == LOSS_IGNORE_INDEX:
                 if write_grad:
-                    for c in range(LOSS_CLASSES):
-                        dlogits[n, c] = 0.0
+                    d[:] = 0.0
                 continue
-            row_max = -np.inf
-            for c in range(LOSS_CLASSES):
-                row_max = max(row_max, np.float64(logits[n, c]))
+            row_max = x[0]
+            for c in range(1, LOSS_CLASSES):
+                row_max = max(row_max, x[c])
+            target_logit = np.float64(x[target])  # read before d, which may be x, is written
             total = 0.0
-            for c in range(LOSS_CLASSES):
-                total += math.exp(np.float64(logits[n, c]) - row_max)
-            partial[chunk] += math.log(total) + row_max - np.float64(logits[n, target])
             if write_grad:
+                for c in range(LOSS_CLASSES):
+                    e = math.exp(x[c] - row_max)
+                    d[c] = e
+                    total += e
                 scale = inv_n_valid / total
                 for c in range(LOSS_CLASSES):
-                    dlogits[n, c] = math.exp(np.float64(logits[n, c]) - row_max) * scale
-                dlogits[n, target] -= inv_n_valid
+                    d[c] *= scale
+                d[target] -= inv_n_valid
+            else:
+                for c in range(LOSS_CLASSES):
+                    total += math.exp(x[c] - row_max)
+            partial[chunk] += math.log(total) + np.float64(row_max) - target_logit
     loss_sum = 0.0
     for chunk in range(LOSS_CHUNKS):
         loss_sum += partial[chunk]

@@ -7,10 +7,11 @@ order (Lean law `compose_adjoint`). Buffers hold rows N = B*T: `x` is (N, DIM).
 
 import math
 
-import numpy as np
-
+# pyml first: its import sets the thread-pool policy that numpy's OpenBLAS reads when it loads
 from pyml.errors import PymlError
 from pyml.runtime.safetensors_io import read_safetensors, write_safetensors
+
+import numpy as np
 
 SPEC_NAME = "smollm2_135m"
 VOCAB = 49152
