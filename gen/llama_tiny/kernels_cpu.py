@@ -739,47 +739,75 @@ def loss_count_valid_kernel(targets):
     return n_valid
 
 
+# The exponentials run through numpy's SIMD np.exp over the whole (N, 96) block (several
+# times faster than a scalar libm exp per element); the max, the shift and the sums are numba kernels.
+# Scratch for the loss alone (logits are left intact there), and the per-row max and target logit:
+# one set per (N, dtype), allocated on first use, so nothing is allocated in the step.
+LOSS_SCRATCH = {}
+
+
+def loss_scratch(n_rows, dtype, with_exps):
+    key = (n_rows, np.dtype(dtype), with_exps)
+    if key not in LOSS_SCRATCH:
+        exps = np.empty((n_rows, LOSS_CLASSES), dtype) if with_exps else None
+        LOSS_SCRATCH[key] = (exps, np.empty(n_rows, dtype), np.empty(n_rows))
+    return LOSS_SCRATCH[key]
+
+
 @njit(cache=True, parallel=True)
-def loss_loss_sum_kernel(logits, targets, dlogits, inv_n_valid, write_grad):
-    # logits, dlogits are (N, 96) and may alias (dlogits overwrites logits row by row, after
-    # the row has been read). Per row: one pass for the max; one for the exponentials, stored into
-    # dlogits and summed; one scaling them in place to dlogits = (softmax - onehot) / n_valid.
-    # Without write_grad (dlogits is then logits itself) the second pass only sums.
-    # exp runs in the logits' dtype (float32 exp is several times cheaper), each row's sum in
-    # float64. Returns the float64 sum of the row losses.
-    n_rows = logits.shape[0]
+def loss_shift_kernel(logits, targets, shifted, row_max, target_logit):
+    # logits, shifted are (N, 96) and may alias; per row: row_max[n] = max_c logits[n, c],
+    # target_logit[n] = logits[n, target] in float64 (read before shifted, which may be logits, is
+    # written), shifted[n] = logits[n] - row_max[n].
+    for n in prange(logits.shape[0]):
+        x, d = logits[n], shifted[n]
+        m = x[0]
+        for c in range(1, LOSS_CLASSES):
+            m = max(m, x[c])
+        row_max[n] = m
+        target = targets[n]
+        target_logit[n] = np.float64(x[target]) if target != LOSS_IGNORE_INDEX else 0.0
+        for c in range(LOSS_CLASSES):
+            d[c] = x[c] - m
+
+
+@njit(cache=True, parallel=True)
+def loss_loss_sum_kernel(exps, targets, row_max, target_logit, inv_n_valid, write_grad):
+    # exps is (N, 96): exp(logits - row_max) per row. Each row's sum in float64; with
+    # write_grad, exps becomes dlogits = (softmax - onehot) / n_valid in place, zeros on ignored rows.
+    # Returns the float64 sum of the row losses logsumexp - target logit.
+    n_rows = exps.shape[0]
     partial = np.zeros(LOSS_CHUNKS)
     rows_per_chunk = (n_rows + LOSS_CHUNKS - 1) // LOSS_CHUNKS
     for chunk in prange(LOSS_CHUNKS):
         for n in range(chunk * rows_per_chunk, min((chunk + 1) * rows_per_chunk, n_rows)):
             target = targets[n]
-            x, d = logits[n], dlogits[n]
+            d = exps[n]
             if target == LOSS_IGNORE_INDEX:
                 if write_grad:
                     d[:] = 0.0
                 continue
-            row_max = x[0]
-            for c in range(1, LOSS_CLASSES):
-                row_max = max(row_max, x[c])
-            target_logit = np.float64(x[target])  # read before d, which may be x, is written
             total = 0.0
+            for c in range(LOSS_CLASSES):
+                total += d[c]
             if write_grad:
-                for c in range(LOSS_CLASSES):
-                    e = math.exp(x[c] - row_max)
-                    d[c] = e
-                    total += e
                 scale = inv_n_valid / total
                 for c in range(LOSS_CLASSES):
                     d[c] *= scale
                 d[target] -= inv_n_valid
-            else:
-                for c in range(LOSS_CLASSES):
-                    total += math.exp(x[c] - row_max)
-            partial[chunk] += math.log(total) + np.float64(row_max) - target_logit
+            partial[chunk] += math.log(total) + np.float64(row_max[n]) - target_logit[n]
     loss_sum = 0.0
     for chunk in range(LOSS_CHUNKS):
         loss_sum += partial[chunk]
     return loss_sum
+
+
+def loss_loss_sum(logits, targets, exps, inv_n_valid, write_grad):
+    # exps (N, 96) receives exp(logits - row max) (it may be logits itself), then the sums
+    _, row_max, target_logit = loss_scratch(logits.shape[0], logits.dtype, False)
+    loss_shift_kernel(logits, targets, exps, row_max, target_logit)
+    np.exp(exps, out=exps)
+    return loss_loss_sum_kernel(exps, targets, row_max, target_logit, inv_n_valid, write_grad)
 
 
 def loss_forward_backward(logits, targets, dlogits):
@@ -788,14 +816,15 @@ def loss_forward_backward(logits, targets, dlogits):
     # dlogits is overwritten: (softmax - onehot) / n_valid, zeros on ignored rows.
     n_valid = loss_count_valid_kernel(targets)
     inv_n_valid = 1.0 / n_valid if n_valid else 0.0
-    loss_sum = loss_loss_sum_kernel(logits, targets, dlogits, inv_n_valid, True)
+    loss_sum = loss_loss_sum(logits, targets, dlogits, inv_n_valid, True)
     return loss_sum / n_valid if n_valid else math.nan
 
 
 def loss_forward(logits, targets):
     # the loss alone (held-out evaluation); logits is (N, 96), targets is (N,) int64
     n_valid = loss_count_valid_kernel(targets)
-    loss_sum = loss_loss_sum_kernel(logits, targets, logits, 0.0, False)
+    exps, _, _ = loss_scratch(logits.shape[0], logits.dtype, True)
+    loss_sum = loss_loss_sum(logits, targets, exps, 0.0, False)
     return loss_sum / n_valid if n_valid else math.nan
 
 
@@ -813,12 +842,16 @@ def adamw_step_kernel(
     exp_avg_sq,
     decay,
     beta1_weight,
+    one_minus_beta1_weight,
     beta2,
     one_minus_beta2,
-    step_size,
+    neg_step_size,
     bias_correction2_sqrt,
     eps,
 ):
+    # every scalar arrives in the parameters' dtype, so the arithmetic stays in that dtype (float32
+    # math for float32 parameters, as torch's kernels do) and the loop vectorizes: one streaming pass
+    # reading params, grads, exp_avg, exp_avg_sq and writing three of them (memory-bound).
     for i in prange(params.shape[0]):
         grad = grads[i]
         # param.mul_(1 - lr * weight_decay)
@@ -827,37 +860,41 @@ def adamw_step_kernel(
         if beta1_weight < 0.5:
             m = exp_avg[i] + beta1_weight * (grad - exp_avg[i])
         else:
-            m = grad - (grad - exp_avg[i]) * (1.0 - beta1_weight)
+            m = grad - (grad - exp_avg[i]) * one_minus_beta1_weight
         # exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        v = exp_avg_sq[i] * beta2 + one_minus_beta2 * grad * grad
+        v = exp_avg_sq[i] * beta2 + one_minus_beta2 * grad * grad  # (value * grad) * grad, as torch
         exp_avg[i] = m
         exp_avg_sq[i] = v
         # denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-        denom = math.sqrt(exp_avg_sq[i]) / bias_correction2_sqrt + eps
-        # param.addcdiv_(exp_avg, denom, value=-step_size)
-        params[i] = param + (-step_size) * (exp_avg[i] / denom)
+        denom = math.sqrt(v) / bias_correction2_sqrt + eps
+        # param.addcdiv_(exp_avg, denom, value=-step_size): torch's kernel forms value * exp_avg first
+        params[i] = param + neg_step_size * m / denom
 
 
 def adamw_step(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step):
     # params, grads, exp_avg, exp_avg_sq are (P,) flat buffers of one dtype, updated in place;
     # step counts from 1 (torch increments its step before the update). The scalars are computed in
-    # Python floats, as torch does.
+    # Python floats, as torch does, then rounded once to the parameters' dtype, as torch's kernels
+    # convert a scalar argument; lerp's 1 - weight is formed in that dtype from the rounded weight.
+    scalar = params.dtype.type
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
     step_size = lr / bias_correction1
     bias_correction2_sqrt = bias_correction2**0.5
+    beta1_weight = scalar(1 - beta1)
     adamw_step_kernel(
         params,
         grads,
         exp_avg,
         exp_avg_sq,
-        1 - lr * weight_decay,
-        1 - beta1,
-        beta2,
-        1 - beta2,
-        step_size,
-        bias_correction2_sqrt,
-        eps,
+        scalar(1 - lr * weight_decay),
+        beta1_weight,
+        scalar(1) - beta1_weight,
+        scalar(beta2),
+        scalar(1 - beta2),
+        scalar(-step_size),
+        scalar(bias_correction2_sqrt),
+        scalar(eps),
     )
 
 
