@@ -3,7 +3,9 @@
 Same weights (the shipped SmolLM2-135M-Instruct GGUF; transformers loads it itself), the same chat
 prompt, greedy decoding with a KV cache on both sides, and the same new tokens (checked). Prefill
 tokens/s is the prompt length over the time to the first logits; decode tokens/s counts the tokens
-after the first. Each system runs once to warm up, then `--repeats` times; medians are reported.
+after the first. Each system runs in a process of its own (PyTorch's OpenMP threads, spinning
+after each of its calls, would otherwise starve pyml's kernels), once to warm up, then `--repeats`
+times; medians are reported.
 
     python bench/generate.py [--new-tokens 64] [--repeats 3]
 """
@@ -13,6 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import time
 from datetime import date
 from pathlib import Path
@@ -53,49 +57,66 @@ def transformers_run(model, ids, new_tokens):
     return out, prefill, max(total - prefill, 1e-9)
 
 
+def run_system(system: str, new_tokens: int, repeats: int) -> dict:
+    """Timings and tokens of one system, in this process."""
+    from train_step import ensure_model  # run as a script, bench/ is on sys.path
+
+    from pyml.runtime import generate as generation
+
+    model_dir = ensure_model()
+    tokenizer = generation.load_tokenizer(model_dir)
+    ids = generation.prompt_ids(model_dir, tokenizer, PROMPT, chat=True)
+    if system == "ours":
+        model = generation.load_model(model_dir, ROOT / "specs" / "smollm2_135m.toml")
+        stop = generation.eos_ids(model_dir)
+        run = lambda: ours_run(model, ids, new_tokens, stop)  # noqa: E731
+    else:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from pyml.runtime.smollm2_gguf import shipped_gguf_path
+
+        gguf = shipped_gguf_path()
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                     dtype=torch.float32).eval()
+        run = lambda: transformers_run(model, ids, new_tokens)  # noqa: E731
+    runs = []
+    for repeat in range(repeats + 1):  # the first run warms up
+        out, prefill, decode = run()
+        if repeat:
+            runs.append((len(ids) / prefill, (len(out) - 1) / decode))
+    return {"prompt_tokens": len(ids), "tokens": out,
+            "prefill_tokens_per_s": statistics.median(r[0] for r in runs),
+            "decode_tokens_per_s": statistics.median(r[1] for r in runs)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--system", choices=["ours", "transformers"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.system:
+        print(json.dumps(run_system(args.system, args.new_tokens, args.repeats)))
+        return
 
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from train_step import ensure_model  # run as a script, bench/ is on sys.path
-    from pyml.runtime import generate as generation
-    from pyml.runtime.smollm2_gguf import shipped_gguf_path
-
-    model_dir = ensure_model()
-    ours = generation.load_model(model_dir, ROOT / "specs" / "smollm2_135m.toml")
-    tokenizer = generation.load_tokenizer(model_dir)
-    ids = generation.prompt_ids(model_dir, tokenizer, PROMPT, chat=True)
-    stop = generation.eos_ids(model_dir)
-    gguf = shipped_gguf_path()
-    theirs = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                  dtype=torch.float32).eval()
-
-    results = {"ours": [], "transformers": []}
-    outputs = {}
-    for repeat in range(args.repeats + 1):  # the first run of each warms up
-        for name in results:
-            if name == "ours":
-                out, prefill, decode = ours_run(ours, ids, args.new_tokens, stop)
-            else:
-                out, prefill, decode = transformers_run(theirs, ids, args.new_tokens)
-            outputs[name] = out
-            if repeat:
-                results[name].append((len(ids) / prefill, (len(out) - 1) / decode))
-    same = outputs["ours"] == outputs["transformers"][: len(outputs["ours"])]
+    results = {}
+    for system in ("ours", "transformers"):
+        child = subprocess.run([sys.executable, __file__, "--system", system, "--new-tokens",
+                                str(args.new_tokens), "--repeats", str(args.repeats)],
+                               capture_output=True, text=True, check=True)
+        results[system] = json.loads(child.stdout.strip().splitlines()[-1])
+    ours, theirs = results["ours"]["tokens"], results["transformers"]["tokens"]
+    same = ours == theirs[: len(ours)]
     report = {
-        "date": date.today().isoformat(), "prompt_tokens": len(ids), "new_tokens": len(outputs["ours"]),
-        "outputs_identical": same,
-        "systems": {name: {"prefill_tokens_per_s": statistics.median(r[0] for r in runs),
-                           "decode_tokens_per_s": statistics.median(r[1] for r in runs)}
-                    for name, runs in results.items()},
+        "date": date.today().isoformat(), "prompt_tokens": results["ours"]["prompt_tokens"],
+        "new_tokens": len(ours), "outputs_identical": same,
+        "systems": {name: {key: result[key] for key in ("prefill_tokens_per_s", "decode_tokens_per_s")}
+                    for name, result in results.items()},
     }
     lines = [f"SmolLM2-135M-Instruct generation, greedy with a KV cache, {report['date']}: "
-             f"{len(ids)} prompt tokens, {report['new_tokens']} new tokens, outputs identical: {same}.",
+             f"{report['prompt_tokens']} prompt tokens, {report['new_tokens']} new tokens, "
+             f"outputs identical: {same}.",
              "", "| system | prefill tokens/s | decode tokens/s |", "| --- | --- | --- |"]
     for name, result in report["systems"].items():
         lines.append(f"| {name} | {result['prefill_tokens_per_s']:.1f} | {result['decode_tokens_per_s']:.1f} |")
