@@ -5,27 +5,25 @@ import numpy as np
 from numba import cuda
 
 
-# Linear layer fc1 (CUDA): y = x @ w.T + b, in_features=64, out_features=128.
-# Products by a tiled shared-memory matmul (FC1_TILE x FC1_TILE tiles), in three
-# layouts so that no transposed copy is made: NT (x @ w.T), NN (dy @ w), TN (dy.T @ x). One
-# kernel per dtype, so that tiles and accumulators stay in the input dtype.
-FC1_IN_FEATURES = 64
-FC1_OUT_FEATURES = 128
-FC1_TILE = 16
+# Tiled shared-memory matrix product (MATMUL_TILE x MATMUL_TILE tiles), shared by every linear
+# layer of the module, in three layouts so that no transposed copy is made: NT (x @ w.T),
+# NN (dy @ w), TN (dy.T @ x). One kernel per dtype, so that tiles and accumulators stay in the
+# input dtype.
+MATMUL_TILE = 16
 
 
 @cuda.jit
-def fc1_matmul_nt_float32_kernel(a, b, c):
+def matmul_nt_float32_kernel(a, b, c):
     # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b.T
-    a_tile = cuda.shared.array((FC1_TILE, FC1_TILE), np.float32)
-    b_tile = cuda.shared.array((FC1_TILE, FC1_TILE), np.float32)
+    a_tile = cuda.shared.array((MATMUL_TILE, MATMUL_TILE), np.float32)
+    b_tile = cuda.shared.array((MATMUL_TILE, MATMUL_TILE), np.float32)
     tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * FC1_TILE + ty
-    col = cuda.blockIdx.x * FC1_TILE + tx
+    row = cuda.blockIdx.y * MATMUL_TILE + ty
+    col = cuda.blockIdx.x * MATMUL_TILE + tx
     n_rows, n_cols = c.shape
     depth = a.shape[1]
     acc = np.float32(0.0)
-    for k0 in range(0, depth, FC1_TILE):
+    for k0 in range(0, depth, MATMUL_TILE):
         if row < n_rows and k0 + tx < depth:
             a_tile[ty, tx] = a[row, k0 + tx]
         else:
@@ -35,7 +33,7 @@ def fc1_matmul_nt_float32_kernel(a, b, c):
         else:
             b_tile[ty, tx] = 0.0
         cuda.syncthreads()
-        for kk in range(FC1_TILE):
+        for kk in range(MATMUL_TILE):
             acc += a_tile[ty, kk] * b_tile[kk, tx]
         cuda.syncthreads()
     if row < n_rows and col < n_cols:
@@ -43,17 +41,17 @@ def fc1_matmul_nt_float32_kernel(a, b, c):
 
 
 @cuda.jit
-def fc1_matmul_nn_float32_kernel(a, b, c):
+def matmul_nn_float32_kernel(a, b, c):
     # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b
-    a_tile = cuda.shared.array((FC1_TILE, FC1_TILE), np.float32)
-    b_tile = cuda.shared.array((FC1_TILE, FC1_TILE), np.float32)
+    a_tile = cuda.shared.array((MATMUL_TILE, MATMUL_TILE), np.float32)
+    b_tile = cuda.shared.array((MATMUL_TILE, MATMUL_TILE), np.float32)
     tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * FC1_TILE + ty
-    col = cuda.blockIdx.x * FC1_TILE + tx
+    row = cuda.blockIdx.y * MATMUL_TILE + ty
+    col = cuda.blockIdx.x * MATMUL_TILE + tx
     n_rows, n_cols = c.shape
     depth = a.shape[1]
     acc = np.float32(0.0)
-    for k0 in range(0, depth, FC1_TILE):
+    for k0 in range(0, depth, MATMUL_TILE):
         if row < n_rows and k0 + tx < depth:
             a_tile[ty, tx] = a[row, k0 + tx]
         else:
@@ -63,7 +61,7 @@ def fc1_matmul_nn_float32_kernel(a, b, c):
         else:
             b_tile[ty, tx] = 0.0
         cuda.syncthreads()
-        for kk in range(FC1_TILE):
+        for kk in range(MATMUL_TILE):
             acc += a_tile[ty, kk] * b_tile[kk, tx]
         cuda.syncthreads()
     if row < n_rows and col < n_cols:
@@ -71,17 +69,17 @@ def fc1_matmul_nn_float32_kernel(a, b, c):
 
 
 @cuda.jit
-def fc1_matmul_tn_float32_kernel(a, b, c):
+def matmul_tn_float32_kernel(a, b, c):
     # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a.T, B = b
-    a_tile = cuda.shared.array((FC1_TILE, FC1_TILE), np.float32)
-    b_tile = cuda.shared.array((FC1_TILE, FC1_TILE), np.float32)
+    a_tile = cuda.shared.array((MATMUL_TILE, MATMUL_TILE), np.float32)
+    b_tile = cuda.shared.array((MATMUL_TILE, MATMUL_TILE), np.float32)
     tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * FC1_TILE + ty
-    col = cuda.blockIdx.x * FC1_TILE + tx
+    row = cuda.blockIdx.y * MATMUL_TILE + ty
+    col = cuda.blockIdx.x * MATMUL_TILE + tx
     n_rows, n_cols = c.shape
     depth = a.shape[0]
     acc = np.float32(0.0)
-    for k0 in range(0, depth, FC1_TILE):
+    for k0 in range(0, depth, MATMUL_TILE):
         if row < n_rows and k0 + tx < depth:
             a_tile[ty, tx] = a[k0 + tx, row]
         else:
@@ -91,7 +89,7 @@ def fc1_matmul_tn_float32_kernel(a, b, c):
         else:
             b_tile[ty, tx] = 0.0
         cuda.syncthreads()
-        for kk in range(FC1_TILE):
+        for kk in range(MATMUL_TILE):
             acc += a_tile[ty, kk] * b_tile[kk, tx]
         cuda.syncthreads()
     if row < n_rows and col < n_cols:
@@ -99,17 +97,17 @@ def fc1_matmul_tn_float32_kernel(a, b, c):
 
 
 @cuda.jit
-def fc1_matmul_nt_float64_kernel(a, b, c):
+def matmul_nt_float64_kernel(a, b, c):
     # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b.T
-    a_tile = cuda.shared.array((FC1_TILE, FC1_TILE), np.float64)
-    b_tile = cuda.shared.array((FC1_TILE, FC1_TILE), np.float64)
+    a_tile = cuda.shared.array((MATMUL_TILE, MATMUL_TILE), np.float64)
+    b_tile = cuda.shared.array((MATMUL_TILE, MATMUL_TILE), np.float64)
     tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * FC1_TILE + ty
-    col = cuda.blockIdx.x * FC1_TILE + tx
+    row = cuda.blockIdx.y * MATMUL_TILE + ty
+    col = cuda.blockIdx.x * MATMUL_TILE + tx
     n_rows, n_cols = c.shape
     depth = a.shape[1]
     acc = np.float64(0.0)
-    for k0 in range(0, depth, FC1_TILE):
+    for k0 in range(0, depth, MATMUL_TILE):
         if row < n_rows and k0 + tx < depth:
             a_tile[ty, tx] = a[row, k0 + tx]
         else:
@@ -119,7 +117,7 @@ def fc1_matmul_nt_float64_kernel(a, b, c):
         else:
             b_tile[ty, tx] = 0.0
         cuda.syncthreads()
-        for kk in range(FC1_TILE):
+        for kk in range(MATMUL_TILE):
             acc += a_tile[ty, kk] * b_tile[kk, tx]
         cuda.syncthreads()
     if row < n_rows and col < n_cols:
@@ -127,17 +125,17 @@ def fc1_matmul_nt_float64_kernel(a, b, c):
 
 
 @cuda.jit
-def fc1_matmul_nn_float64_kernel(a, b, c):
+def matmul_nn_float64_kernel(a, b, c):
     # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b
-    a_tile = cuda.shared.array((FC1_TILE, FC1_TILE), np.float64)
-    b_tile = cuda.shared.array((FC1_TILE, FC1_TILE), np.float64)
+    a_tile = cuda.shared.array((MATMUL_TILE, MATMUL_TILE), np.float64)
+    b_tile = cuda.shared.array((MATMUL_TILE, MATMUL_TILE), np.float64)
     tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * FC1_TILE + ty
-    col = cuda.blockIdx.x * FC1_TILE + tx
+    row = cuda.blockIdx.y * MATMUL_TILE + ty
+    col = cuda.blockIdx.x * MATMUL_TILE + tx
     n_rows, n_cols = c.shape
     depth = a.shape[1]
     acc = np.float64(0.0)
-    for k0 in range(0, depth, FC1_TILE):
+    for k0 in range(0, depth, MATMUL_TILE):
         if row < n_rows and k0 + tx < depth:
             a_tile[ty, tx] = a[row, k0 + tx]
         else:
@@ -147,7 +145,7 @@ def fc1_matmul_nn_float64_kernel(a, b, c):
         else:
             b_tile[ty, tx] = 0.0
         cuda.syncthreads()
-        for kk in range(FC1_TILE):
+        for kk in range(MATMUL_TILE):
             acc += a_tile[ty, kk] * b_tile[kk, tx]
         cuda.syncthreads()
     if row < n_rows and col < n_cols:
@@ -155,17 +153,17 @@ def fc1_matmul_nn_float64_kernel(a, b, c):
 
 
 @cuda.jit
-def fc1_matmul_tn_float64_kernel(a, b, c):
+def matmul_tn_float64_kernel(a, b, c):
     # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a.T, B = b
-    a_tile = cuda.shared.array((FC1_TILE, FC1_TILE), np.float64)
-    b_tile = cuda.shared.array((FC1_TILE, FC1_TILE), np.float64)
+    a_tile = cuda.shared.array((MATMUL_TILE, MATMUL_TILE), np.float64)
+    b_tile = cuda.shared.array((MATMUL_TILE, MATMUL_TILE), np.float64)
     tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * FC1_TILE + ty
-    col = cuda.blockIdx.x * FC1_TILE + tx
+    row = cuda.blockIdx.y * MATMUL_TILE + ty
+    col = cuda.blockIdx.x * MATMUL_TILE + tx
     n_rows, n_cols = c.shape
     depth = a.shape[0]
     acc = np.float64(0.0)
-    for k0 in range(0, depth, FC1_TILE):
+    for k0 in range(0, depth, MATMUL_TILE):
         if row < n_rows and k0 + tx < depth:
             a_tile[ty, tx] = a[k0 + tx, row]
         else:
@@ -175,34 +173,40 @@ def fc1_matmul_tn_float64_kernel(a, b, c):
         else:
             b_tile[ty, tx] = 0.0
         cuda.syncthreads()
-        for kk in range(FC1_TILE):
+        for kk in range(MATMUL_TILE):
             acc += a_tile[ty, kk] * b_tile[kk, tx]
         cuda.syncthreads()
     if row < n_rows and col < n_cols:
         c[row, col] = acc
 
 
-FC1_MATMUL = {
+MATMUL_KERNELS = {
     np.dtype(np.float32): {
-        "nt": fc1_matmul_nt_float32_kernel,
-        "nn": fc1_matmul_nn_float32_kernel,
-        "tn": fc1_matmul_tn_float32_kernel,
+        "nt": matmul_nt_float32_kernel,
+        "nn": matmul_nn_float32_kernel,
+        "tn": matmul_tn_float32_kernel,
     },
     np.dtype(np.float64): {
-        "nt": fc1_matmul_nt_float64_kernel,
-        "nn": fc1_matmul_nn_float64_kernel,
-        "tn": fc1_matmul_tn_float64_kernel,
+        "nt": matmul_nt_float64_kernel,
+        "nn": matmul_nn_float64_kernel,
+        "tn": matmul_tn_float64_kernel,
     },
 }
 
 
-def fc1_matmul(layout, a, b, c):
-    threads = (FC1_TILE, FC1_TILE)
+def matmul(layout, a, b, c):
+    threads = (MATMUL_TILE, MATMUL_TILE)
     blocks = (
-        (c.shape[1] + FC1_TILE - 1) // FC1_TILE,
-        (c.shape[0] + FC1_TILE - 1) // FC1_TILE,
+        (c.shape[1] + MATMUL_TILE - 1) // MATMUL_TILE,
+        (c.shape[0] + MATMUL_TILE - 1) // MATMUL_TILE,
     )
-    FC1_MATMUL[np.dtype(c.dtype)][layout][blocks, threads](a, b, c)
+    MATMUL_KERNELS[np.dtype(c.dtype)][layout][blocks, threads](a, b, c)
+
+
+# Linear layer fc1 (CUDA): y = x @ w.T + b, in_features=64, out_features=128.
+# Products by the module's tiled matmul (`matmul`, rendered once from matmul.py.j2).
+FC1_IN_FEATURES = 64
+FC1_OUT_FEATURES = 128
 
 
 @cuda.jit
@@ -225,7 +229,7 @@ def fc1_bias_grad_kernel(dy, db):
 
 def fc1_forward(x, w, b, y):
     # x is (N, 64), w is (128, 64), b is (128,), y is (N, 128)
-    fc1_matmul("nt", x, w, y)
+    matmul("nt", x, w, y)
     fc1_add_bias_kernel[((y.shape[0] + 15) // 16, (y.shape[1] + 15) // 16), (16, 16)](y, b)
 
 
@@ -233,9 +237,9 @@ def fc1_backward(x, w, dy, dx, dw, db):
     # in the forward pass this was: y = x @ w.T + b
     # dx, dw and db are overwritten. dy is (N, 128), dx like x, dw like w, db like b.
     # Lean law linear_weight_adjoint_input (linear_input_adjoint per row): dX = G W
-    fc1_matmul("nn", dy, w, dx)
+    matmul("nn", dy, w, dx)
     # Lean law linear_weight_adjoint_weight: dW = Gᵀ X
-    fc1_matmul("tn", dy, x, dw)
+    matmul("tn", dy, x, dw)
     fc1_bias_grad_kernel[(db.shape[0] + 127) // 128, 128](dy, db)
 
 
@@ -271,203 +275,9 @@ def act1_backward(x, dy, dx):
 
 
 # Linear layer fc2 (CUDA): y = x @ w.T + b, in_features=128, out_features=64.
-# Products by a tiled shared-memory matmul (FC2_TILE x FC2_TILE tiles), in three
-# layouts so that no transposed copy is made: NT (x @ w.T), NN (dy @ w), TN (dy.T @ x). One
-# kernel per dtype, so that tiles and accumulators stay in the input dtype.
+# Products by the module's tiled matmul (`matmul`, rendered once from matmul.py.j2).
 FC2_IN_FEATURES = 128
 FC2_OUT_FEATURES = 64
-FC2_TILE = 16
-
-
-@cuda.jit
-def fc2_matmul_nt_float32_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b.T
-    a_tile = cuda.shared.array((FC2_TILE, FC2_TILE), np.float32)
-    b_tile = cuda.shared.array((FC2_TILE, FC2_TILE), np.float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * FC2_TILE + ty
-    col = cuda.blockIdx.x * FC2_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float32(0.0)
-    for k0 in range(0, depth, FC2_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[col, k0 + ty]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(FC2_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def fc2_matmul_nn_float32_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b
-    a_tile = cuda.shared.array((FC2_TILE, FC2_TILE), np.float32)
-    b_tile = cuda.shared.array((FC2_TILE, FC2_TILE), np.float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * FC2_TILE + ty
-    col = cuda.blockIdx.x * FC2_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float32(0.0)
-    for k0 in range(0, depth, FC2_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(FC2_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def fc2_matmul_tn_float32_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a.T, B = b
-    a_tile = cuda.shared.array((FC2_TILE, FC2_TILE), np.float32)
-    b_tile = cuda.shared.array((FC2_TILE, FC2_TILE), np.float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * FC2_TILE + ty
-    col = cuda.blockIdx.x * FC2_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[0]
-    acc = np.float32(0.0)
-    for k0 in range(0, depth, FC2_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[k0 + tx, row]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(FC2_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def fc2_matmul_nt_float64_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b.T
-    a_tile = cuda.shared.array((FC2_TILE, FC2_TILE), np.float64)
-    b_tile = cuda.shared.array((FC2_TILE, FC2_TILE), np.float64)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * FC2_TILE + ty
-    col = cuda.blockIdx.x * FC2_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float64(0.0)
-    for k0 in range(0, depth, FC2_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[col, k0 + ty]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(FC2_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def fc2_matmul_nn_float64_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b
-    a_tile = cuda.shared.array((FC2_TILE, FC2_TILE), np.float64)
-    b_tile = cuda.shared.array((FC2_TILE, FC2_TILE), np.float64)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * FC2_TILE + ty
-    col = cuda.blockIdx.x * FC2_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float64(0.0)
-    for k0 in range(0, depth, FC2_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(FC2_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def fc2_matmul_tn_float64_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a.T, B = b
-    a_tile = cuda.shared.array((FC2_TILE, FC2_TILE), np.float64)
-    b_tile = cuda.shared.array((FC2_TILE, FC2_TILE), np.float64)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * FC2_TILE + ty
-    col = cuda.blockIdx.x * FC2_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[0]
-    acc = np.float64(0.0)
-    for k0 in range(0, depth, FC2_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[k0 + tx, row]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(FC2_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-FC2_MATMUL = {
-    np.dtype(np.float32): {
-        "nt": fc2_matmul_nt_float32_kernel,
-        "nn": fc2_matmul_nn_float32_kernel,
-        "tn": fc2_matmul_tn_float32_kernel,
-    },
-    np.dtype(np.float64): {
-        "nt": fc2_matmul_nt_float64_kernel,
-        "nn": fc2_matmul_nn_float64_kernel,
-        "tn": fc2_matmul_tn_float64_kernel,
-    },
-}
-
-
-def fc2_matmul(layout, a, b, c):
-    threads = (FC2_TILE, FC2_TILE)
-    blocks = (
-        (c.shape[1] + FC2_TILE - 1) // FC2_TILE,
-        (c.shape[0] + FC2_TILE - 1) // FC2_TILE,
-    )
-    FC2_MATMUL[np.dtype(c.dtype)][layout][blocks, threads](a, b, c)
 
 
 @cuda.jit
@@ -490,7 +300,7 @@ def fc2_bias_grad_kernel(dy, db):
 
 def fc2_forward(x, w, b, y):
     # x is (N, 128), w is (64, 128), b is (64,), y is (N, 64)
-    fc2_matmul("nt", x, w, y)
+    matmul("nt", x, w, y)
     fc2_add_bias_kernel[((y.shape[0] + 15) // 16, (y.shape[1] + 15) // 16), (16, 16)](y, b)
 
 
@@ -498,9 +308,9 @@ def fc2_backward(x, w, dy, dx, dw, db):
     # in the forward pass this was: y = x @ w.T + b
     # dx, dw and db are overwritten. dy is (N, 64), dx like x, dw like w, db like b.
     # Lean law linear_weight_adjoint_input (linear_input_adjoint per row): dX = G W
-    fc2_matmul("nn", dy, w, dx)
+    matmul("nn", dy, w, dx)
     # Lean law linear_weight_adjoint_weight: dW = Gᵀ X
-    fc2_matmul("tn", dy, x, dw)
+    matmul("tn", dy, x, dw)
     fc2_bias_grad_kernel[(db.shape[0] + 127) // 128, 128](dy, db)
 
 
@@ -541,203 +351,9 @@ def act2_backward(x, dy, dx):
 
 
 # Linear layer fc3 (CUDA): y = x @ w.T + b, in_features=64, out_features=10.
-# Products by a tiled shared-memory matmul (FC3_TILE x FC3_TILE tiles), in three
-# layouts so that no transposed copy is made: NT (x @ w.T), NN (dy @ w), TN (dy.T @ x). One
-# kernel per dtype, so that tiles and accumulators stay in the input dtype.
+# Products by the module's tiled matmul (`matmul`, rendered once from matmul.py.j2).
 FC3_IN_FEATURES = 64
 FC3_OUT_FEATURES = 10
-FC3_TILE = 16
-
-
-@cuda.jit
-def fc3_matmul_nt_float32_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b.T
-    a_tile = cuda.shared.array((FC3_TILE, FC3_TILE), np.float32)
-    b_tile = cuda.shared.array((FC3_TILE, FC3_TILE), np.float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * FC3_TILE + ty
-    col = cuda.blockIdx.x * FC3_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float32(0.0)
-    for k0 in range(0, depth, FC3_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[col, k0 + ty]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(FC3_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def fc3_matmul_nn_float32_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b
-    a_tile = cuda.shared.array((FC3_TILE, FC3_TILE), np.float32)
-    b_tile = cuda.shared.array((FC3_TILE, FC3_TILE), np.float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * FC3_TILE + ty
-    col = cuda.blockIdx.x * FC3_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float32(0.0)
-    for k0 in range(0, depth, FC3_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(FC3_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def fc3_matmul_tn_float32_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a.T, B = b
-    a_tile = cuda.shared.array((FC3_TILE, FC3_TILE), np.float32)
-    b_tile = cuda.shared.array((FC3_TILE, FC3_TILE), np.float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * FC3_TILE + ty
-    col = cuda.blockIdx.x * FC3_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[0]
-    acc = np.float32(0.0)
-    for k0 in range(0, depth, FC3_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[k0 + tx, row]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(FC3_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def fc3_matmul_nt_float64_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b.T
-    a_tile = cuda.shared.array((FC3_TILE, FC3_TILE), np.float64)
-    b_tile = cuda.shared.array((FC3_TILE, FC3_TILE), np.float64)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * FC3_TILE + ty
-    col = cuda.blockIdx.x * FC3_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float64(0.0)
-    for k0 in range(0, depth, FC3_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[col, k0 + ty]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(FC3_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def fc3_matmul_nn_float64_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b
-    a_tile = cuda.shared.array((FC3_TILE, FC3_TILE), np.float64)
-    b_tile = cuda.shared.array((FC3_TILE, FC3_TILE), np.float64)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * FC3_TILE + ty
-    col = cuda.blockIdx.x * FC3_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float64(0.0)
-    for k0 in range(0, depth, FC3_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(FC3_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def fc3_matmul_tn_float64_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a.T, B = b
-    a_tile = cuda.shared.array((FC3_TILE, FC3_TILE), np.float64)
-    b_tile = cuda.shared.array((FC3_TILE, FC3_TILE), np.float64)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * FC3_TILE + ty
-    col = cuda.blockIdx.x * FC3_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[0]
-    acc = np.float64(0.0)
-    for k0 in range(0, depth, FC3_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[k0 + tx, row]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(FC3_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-FC3_MATMUL = {
-    np.dtype(np.float32): {
-        "nt": fc3_matmul_nt_float32_kernel,
-        "nn": fc3_matmul_nn_float32_kernel,
-        "tn": fc3_matmul_tn_float32_kernel,
-    },
-    np.dtype(np.float64): {
-        "nt": fc3_matmul_nt_float64_kernel,
-        "nn": fc3_matmul_nn_float64_kernel,
-        "tn": fc3_matmul_tn_float64_kernel,
-    },
-}
-
-
-def fc3_matmul(layout, a, b, c):
-    threads = (FC3_TILE, FC3_TILE)
-    blocks = (
-        (c.shape[1] + FC3_TILE - 1) // FC3_TILE,
-        (c.shape[0] + FC3_TILE - 1) // FC3_TILE,
-    )
-    FC3_MATMUL[np.dtype(c.dtype)][layout][blocks, threads](a, b, c)
 
 
 @cuda.jit
@@ -760,7 +376,7 @@ def fc3_bias_grad_kernel(dy, db):
 
 def fc3_forward(x, w, b, y):
     # x is (N, 64), w is (10, 64), b is (10,), y is (N, 10)
-    fc3_matmul("nt", x, w, y)
+    matmul("nt", x, w, y)
     fc3_add_bias_kernel[((y.shape[0] + 15) // 16, (y.shape[1] + 15) // 16), (16, 16)](y, b)
 
 
@@ -768,9 +384,9 @@ def fc3_backward(x, w, dy, dx, dw, db):
     # in the forward pass this was: y = x @ w.T + b
     # dx, dw and db are overwritten. dy is (N, 10), dx like x, dw like w, db like b.
     # Lean law linear_weight_adjoint_input (linear_input_adjoint per row): dX = G W
-    fc3_matmul("nn", dy, w, dx)
+    matmul("nn", dy, w, dx)
     # Lean law linear_weight_adjoint_weight: dW = Gᵀ X
-    fc3_matmul("tn", dy, x, dw)
+    matmul("tn", dy, x, dw)
     fc3_bias_grad_kernel[(db.shape[0] + 127) // 128, 128](dy, db)
 
 

@@ -5,6 +5,204 @@ import numpy as np
 from numba import cuda
 
 
+# Tiled shared-memory matrix product (MATMUL_TILE x MATMUL_TILE tiles), shared by every linear
+# layer of the module, in three layouts so that no transposed copy is made: NT (x @ w.T),
+# NN (dy @ w), TN (dy.T @ x). One kernel per dtype, so that tiles and accumulators stay in the
+# input dtype.
+MATMUL_TILE = 16
+
+
+@cuda.jit
+def matmul_nt_float32_kernel(a, b, c):
+    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b.T
+    a_tile = cuda.shared.array((MATMUL_TILE, MATMUL_TILE), np.float32)
+    b_tile = cuda.shared.array((MATMUL_TILE, MATMUL_TILE), np.float32)
+    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+    row = cuda.blockIdx.y * MATMUL_TILE + ty
+    col = cuda.blockIdx.x * MATMUL_TILE + tx
+    n_rows, n_cols = c.shape
+    depth = a.shape[1]
+    acc = np.float32(0.0)
+    for k0 in range(0, depth, MATMUL_TILE):
+        if row < n_rows and k0 + tx < depth:
+            a_tile[ty, tx] = a[row, k0 + tx]
+        else:
+            a_tile[ty, tx] = 0.0
+        if col < n_cols and k0 + ty < depth:
+            b_tile[ty, tx] = b[col, k0 + ty]
+        else:
+            b_tile[ty, tx] = 0.0
+        cuda.syncthreads()
+        for kk in range(MATMUL_TILE):
+            acc += a_tile[ty, kk] * b_tile[kk, tx]
+        cuda.syncthreads()
+    if row < n_rows and col < n_cols:
+        c[row, col] = acc
+
+
+@cuda.jit
+def matmul_nn_float32_kernel(a, b, c):
+    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b
+    a_tile = cuda.shared.array((MATMUL_TILE, MATMUL_TILE), np.float32)
+    b_tile = cuda.shared.array((MATMUL_TILE, MATMUL_TILE), np.float32)
+    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+    row = cuda.blockIdx.y * MATMUL_TILE + ty
+    col = cuda.blockIdx.x * MATMUL_TILE + tx
+    n_rows, n_cols = c.shape
+    depth = a.shape[1]
+    acc = np.float32(0.0)
+    for k0 in range(0, depth, MATMUL_TILE):
+        if row < n_rows and k0 + tx < depth:
+            a_tile[ty, tx] = a[row, k0 + tx]
+        else:
+            a_tile[ty, tx] = 0.0
+        if col < n_cols and k0 + ty < depth:
+            b_tile[ty, tx] = b[k0 + ty, col]
+        else:
+            b_tile[ty, tx] = 0.0
+        cuda.syncthreads()
+        for kk in range(MATMUL_TILE):
+            acc += a_tile[ty, kk] * b_tile[kk, tx]
+        cuda.syncthreads()
+    if row < n_rows and col < n_cols:
+        c[row, col] = acc
+
+
+@cuda.jit
+def matmul_tn_float32_kernel(a, b, c):
+    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a.T, B = b
+    a_tile = cuda.shared.array((MATMUL_TILE, MATMUL_TILE), np.float32)
+    b_tile = cuda.shared.array((MATMUL_TILE, MATMUL_TILE), np.float32)
+    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+    row = cuda.blockIdx.y * MATMUL_TILE + ty
+    col = cuda.blockIdx.x * MATMUL_TILE + tx
+    n_rows, n_cols = c.shape
+    depth = a.shape[0]
+    acc = np.float32(0.0)
+    for k0 in range(0, depth, MATMUL_TILE):
+        if row < n_rows and k0 + tx < depth:
+            a_tile[ty, tx] = a[k0 + tx, row]
+        else:
+            a_tile[ty, tx] = 0.0
+        if col < n_cols and k0 + ty < depth:
+            b_tile[ty, tx] = b[k0 + ty, col]
+        else:
+            b_tile[ty, tx] = 0.0
+        cuda.syncthreads()
+        for kk in range(MATMUL_TILE):
+            acc += a_tile[ty, kk] * b_tile[kk, tx]
+        cuda.syncthreads()
+    if row < n_rows and col < n_cols:
+        c[row, col] = acc
+
+
+@cuda.jit
+def matmul_nt_float64_kernel(a, b, c):
+    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b.T
+    a_tile = cuda.shared.array((MATMUL_TILE, MATMUL_TILE), np.float64)
+    b_tile = cuda.shared.array((MATMUL_TILE, MATMUL_TILE), np.float64)
+    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+    row = cuda.blockIdx.y * MATMUL_TILE + ty
+    col = cuda.blockIdx.x * MATMUL_TILE + tx
+    n_rows, n_cols = c.shape
+    depth = a.shape[1]
+    acc = np.float64(0.0)
+    for k0 in range(0, depth, MATMUL_TILE):
+        if row < n_rows and k0 + tx < depth:
+            a_tile[ty, tx] = a[row, k0 + tx]
+        else:
+            a_tile[ty, tx] = 0.0
+        if col < n_cols and k0 + ty < depth:
+            b_tile[ty, tx] = b[col, k0 + ty]
+        else:
+            b_tile[ty, tx] = 0.0
+        cuda.syncthreads()
+        for kk in range(MATMUL_TILE):
+            acc += a_tile[ty, kk] * b_tile[kk, tx]
+        cuda.syncthreads()
+    if row < n_rows and col < n_cols:
+        c[row, col] = acc
+
+
+@cuda.jit
+def matmul_nn_float64_kernel(a, b, c):
+    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b
+    a_tile = cuda.shared.array((MATMUL_TILE, MATMUL_TILE), np.float64)
+    b_tile = cuda.shared.array((MATMUL_TILE, MATMUL_TILE), np.float64)
+    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+    row = cuda.blockIdx.y * MATMUL_TILE + ty
+    col = cuda.blockIdx.x * MATMUL_TILE + tx
+    n_rows, n_cols = c.shape
+    depth = a.shape[1]
+    acc = np.float64(0.0)
+    for k0 in range(0, depth, MATMUL_TILE):
+        if row < n_rows and k0 + tx < depth:
+            a_tile[ty, tx] = a[row, k0 + tx]
+        else:
+            a_tile[ty, tx] = 0.0
+        if col < n_cols and k0 + ty < depth:
+            b_tile[ty, tx] = b[k0 + ty, col]
+        else:
+            b_tile[ty, tx] = 0.0
+        cuda.syncthreads()
+        for kk in range(MATMUL_TILE):
+            acc += a_tile[ty, kk] * b_tile[kk, tx]
+        cuda.syncthreads()
+    if row < n_rows and col < n_cols:
+        c[row, col] = acc
+
+
+@cuda.jit
+def matmul_tn_float64_kernel(a, b, c):
+    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a.T, B = b
+    a_tile = cuda.shared.array((MATMUL_TILE, MATMUL_TILE), np.float64)
+    b_tile = cuda.shared.array((MATMUL_TILE, MATMUL_TILE), np.float64)
+    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+    row = cuda.blockIdx.y * MATMUL_TILE + ty
+    col = cuda.blockIdx.x * MATMUL_TILE + tx
+    n_rows, n_cols = c.shape
+    depth = a.shape[0]
+    acc = np.float64(0.0)
+    for k0 in range(0, depth, MATMUL_TILE):
+        if row < n_rows and k0 + tx < depth:
+            a_tile[ty, tx] = a[k0 + tx, row]
+        else:
+            a_tile[ty, tx] = 0.0
+        if col < n_cols and k0 + ty < depth:
+            b_tile[ty, tx] = b[k0 + ty, col]
+        else:
+            b_tile[ty, tx] = 0.0
+        cuda.syncthreads()
+        for kk in range(MATMUL_TILE):
+            acc += a_tile[ty, kk] * b_tile[kk, tx]
+        cuda.syncthreads()
+    if row < n_rows and col < n_cols:
+        c[row, col] = acc
+
+
+MATMUL_KERNELS = {
+    np.dtype(np.float32): {
+        "nt": matmul_nt_float32_kernel,
+        "nn": matmul_nn_float32_kernel,
+        "tn": matmul_tn_float32_kernel,
+    },
+    np.dtype(np.float64): {
+        "nt": matmul_nt_float64_kernel,
+        "nn": matmul_nn_float64_kernel,
+        "tn": matmul_tn_float64_kernel,
+    },
+}
+
+
+def matmul(layout, a, b, c):
+    threads = (MATMUL_TILE, MATMUL_TILE)
+    blocks = (
+        (c.shape[1] + MATMUL_TILE - 1) // MATMUL_TILE,
+        (c.shape[0] + MATMUL_TILE - 1) // MATMUL_TILE,
+    )
+    MATMUL_KERNELS[np.dtype(c.dtype)][layout][blocks, threads](a, b, c)
+
+
 # Embedding embed (CUDA): out[n] = table[ids[n]], vocab_size=49152, dim=576.
 EMBED_VOCAB_SIZE = 49152
 EMBED_DIM = 576
@@ -121,645 +319,63 @@ def attn_norm_backward(x, w, rstd, dy, dx, dw):
 
 
 # Linear layer q_proj (CUDA): y = x @ w.T, in_features=576, out_features=576.
-# Products by a tiled shared-memory matmul (Q_PROJ_TILE x Q_PROJ_TILE tiles), in three
-# layouts so that no transposed copy is made: NT (x @ w.T), NN (dy @ w), TN (dy.T @ x). One
-# kernel per dtype, so that tiles and accumulators stay in the input dtype.
+# Products by the module's tiled matmul (`matmul`, rendered once from matmul.py.j2).
 Q_PROJ_IN_FEATURES = 576
 Q_PROJ_OUT_FEATURES = 576
-Q_PROJ_TILE = 16
-
-
-@cuda.jit
-def q_proj_matmul_nt_float32_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b.T
-    a_tile = cuda.shared.array((Q_PROJ_TILE, Q_PROJ_TILE), np.float32)
-    b_tile = cuda.shared.array((Q_PROJ_TILE, Q_PROJ_TILE), np.float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * Q_PROJ_TILE + ty
-    col = cuda.blockIdx.x * Q_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float32(0.0)
-    for k0 in range(0, depth, Q_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[col, k0 + ty]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(Q_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def q_proj_matmul_nn_float32_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b
-    a_tile = cuda.shared.array((Q_PROJ_TILE, Q_PROJ_TILE), np.float32)
-    b_tile = cuda.shared.array((Q_PROJ_TILE, Q_PROJ_TILE), np.float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * Q_PROJ_TILE + ty
-    col = cuda.blockIdx.x * Q_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float32(0.0)
-    for k0 in range(0, depth, Q_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(Q_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def q_proj_matmul_tn_float32_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a.T, B = b
-    a_tile = cuda.shared.array((Q_PROJ_TILE, Q_PROJ_TILE), np.float32)
-    b_tile = cuda.shared.array((Q_PROJ_TILE, Q_PROJ_TILE), np.float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * Q_PROJ_TILE + ty
-    col = cuda.blockIdx.x * Q_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[0]
-    acc = np.float32(0.0)
-    for k0 in range(0, depth, Q_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[k0 + tx, row]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(Q_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def q_proj_matmul_nt_float64_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b.T
-    a_tile = cuda.shared.array((Q_PROJ_TILE, Q_PROJ_TILE), np.float64)
-    b_tile = cuda.shared.array((Q_PROJ_TILE, Q_PROJ_TILE), np.float64)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * Q_PROJ_TILE + ty
-    col = cuda.blockIdx.x * Q_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float64(0.0)
-    for k0 in range(0, depth, Q_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[col, k0 + ty]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(Q_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def q_proj_matmul_nn_float64_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b
-    a_tile = cuda.shared.array((Q_PROJ_TILE, Q_PROJ_TILE), np.float64)
-    b_tile = cuda.shared.array((Q_PROJ_TILE, Q_PROJ_TILE), np.float64)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * Q_PROJ_TILE + ty
-    col = cuda.blockIdx.x * Q_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float64(0.0)
-    for k0 in range(0, depth, Q_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(Q_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def q_proj_matmul_tn_float64_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a.T, B = b
-    a_tile = cuda.shared.array((Q_PROJ_TILE, Q_PROJ_TILE), np.float64)
-    b_tile = cuda.shared.array((Q_PROJ_TILE, Q_PROJ_TILE), np.float64)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * Q_PROJ_TILE + ty
-    col = cuda.blockIdx.x * Q_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[0]
-    acc = np.float64(0.0)
-    for k0 in range(0, depth, Q_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[k0 + tx, row]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(Q_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-Q_PROJ_MATMUL = {
-    np.dtype(np.float32): {
-        "nt": q_proj_matmul_nt_float32_kernel,
-        "nn": q_proj_matmul_nn_float32_kernel,
-        "tn": q_proj_matmul_tn_float32_kernel,
-    },
-    np.dtype(np.float64): {
-        "nt": q_proj_matmul_nt_float64_kernel,
-        "nn": q_proj_matmul_nn_float64_kernel,
-        "tn": q_proj_matmul_tn_float64_kernel,
-    },
-}
-
-
-def q_proj_matmul(layout, a, b, c):
-    threads = (Q_PROJ_TILE, Q_PROJ_TILE)
-    blocks = (
-        (c.shape[1] + Q_PROJ_TILE - 1) // Q_PROJ_TILE,
-        (c.shape[0] + Q_PROJ_TILE - 1) // Q_PROJ_TILE,
-    )
-    Q_PROJ_MATMUL[np.dtype(c.dtype)][layout][blocks, threads](a, b, c)
 
 
 def q_proj_forward(x, w, y):
     # x is (N, 576), w is (576, 576), y is (N, 576)
-    q_proj_matmul("nt", x, w, y)
+    matmul("nt", x, w, y)
 
 
 def q_proj_backward(x, w, dy, dx, dw):
     # in the forward pass this was: y = x @ w.T
     # dx and dw are overwritten. dy is (N, 576), dx like x, dw like w.
     # Lean law linear_weight_adjoint_input (linear_input_adjoint per row): dX = G W
-    q_proj_matmul("nn", dy, w, dx)
+    matmul("nn", dy, w, dx)
     # Lean law linear_weight_adjoint_weight: dW = Gᵀ X
-    q_proj_matmul("tn", dy, x, dw)
+    matmul("tn", dy, x, dw)
 
 
 # Linear layer k_proj (CUDA): y = x @ w.T, in_features=576, out_features=192.
-# Products by a tiled shared-memory matmul (K_PROJ_TILE x K_PROJ_TILE tiles), in three
-# layouts so that no transposed copy is made: NT (x @ w.T), NN (dy @ w), TN (dy.T @ x). One
-# kernel per dtype, so that tiles and accumulators stay in the input dtype.
+# Products by the module's tiled matmul (`matmul`, rendered once from matmul.py.j2).
 K_PROJ_IN_FEATURES = 576
 K_PROJ_OUT_FEATURES = 192
-K_PROJ_TILE = 16
-
-
-@cuda.jit
-def k_proj_matmul_nt_float32_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b.T
-    a_tile = cuda.shared.array((K_PROJ_TILE, K_PROJ_TILE), np.float32)
-    b_tile = cuda.shared.array((K_PROJ_TILE, K_PROJ_TILE), np.float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * K_PROJ_TILE + ty
-    col = cuda.blockIdx.x * K_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float32(0.0)
-    for k0 in range(0, depth, K_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[col, k0 + ty]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(K_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def k_proj_matmul_nn_float32_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b
-    a_tile = cuda.shared.array((K_PROJ_TILE, K_PROJ_TILE), np.float32)
-    b_tile = cuda.shared.array((K_PROJ_TILE, K_PROJ_TILE), np.float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * K_PROJ_TILE + ty
-    col = cuda.blockIdx.x * K_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float32(0.0)
-    for k0 in range(0, depth, K_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(K_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def k_proj_matmul_tn_float32_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a.T, B = b
-    a_tile = cuda.shared.array((K_PROJ_TILE, K_PROJ_TILE), np.float32)
-    b_tile = cuda.shared.array((K_PROJ_TILE, K_PROJ_TILE), np.float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * K_PROJ_TILE + ty
-    col = cuda.blockIdx.x * K_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[0]
-    acc = np.float32(0.0)
-    for k0 in range(0, depth, K_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[k0 + tx, row]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(K_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def k_proj_matmul_nt_float64_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b.T
-    a_tile = cuda.shared.array((K_PROJ_TILE, K_PROJ_TILE), np.float64)
-    b_tile = cuda.shared.array((K_PROJ_TILE, K_PROJ_TILE), np.float64)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * K_PROJ_TILE + ty
-    col = cuda.blockIdx.x * K_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float64(0.0)
-    for k0 in range(0, depth, K_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[col, k0 + ty]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(K_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def k_proj_matmul_nn_float64_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b
-    a_tile = cuda.shared.array((K_PROJ_TILE, K_PROJ_TILE), np.float64)
-    b_tile = cuda.shared.array((K_PROJ_TILE, K_PROJ_TILE), np.float64)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * K_PROJ_TILE + ty
-    col = cuda.blockIdx.x * K_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float64(0.0)
-    for k0 in range(0, depth, K_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(K_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def k_proj_matmul_tn_float64_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a.T, B = b
-    a_tile = cuda.shared.array((K_PROJ_TILE, K_PROJ_TILE), np.float64)
-    b_tile = cuda.shared.array((K_PROJ_TILE, K_PROJ_TILE), np.float64)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * K_PROJ_TILE + ty
-    col = cuda.blockIdx.x * K_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[0]
-    acc = np.float64(0.0)
-    for k0 in range(0, depth, K_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[k0 + tx, row]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(K_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-K_PROJ_MATMUL = {
-    np.dtype(np.float32): {
-        "nt": k_proj_matmul_nt_float32_kernel,
-        "nn": k_proj_matmul_nn_float32_kernel,
-        "tn": k_proj_matmul_tn_float32_kernel,
-    },
-    np.dtype(np.float64): {
-        "nt": k_proj_matmul_nt_float64_kernel,
-        "nn": k_proj_matmul_nn_float64_kernel,
-        "tn": k_proj_matmul_tn_float64_kernel,
-    },
-}
-
-
-def k_proj_matmul(layout, a, b, c):
-    threads = (K_PROJ_TILE, K_PROJ_TILE)
-    blocks = (
-        (c.shape[1] + K_PROJ_TILE - 1) // K_PROJ_TILE,
-        (c.shape[0] + K_PROJ_TILE - 1) // K_PROJ_TILE,
-    )
-    K_PROJ_MATMUL[np.dtype(c.dtype)][layout][blocks, threads](a, b, c)
 
 
 def k_proj_forward(x, w, y):
     # x is (N, 576), w is (192, 576), y is (N, 192)
-    k_proj_matmul("nt", x, w, y)
+    matmul("nt", x, w, y)
 
 
 def k_proj_backward(x, w, dy, dx, dw):
     # in the forward pass this was: y = x @ w.T
     # dx and dw are overwritten. dy is (N, 192), dx like x, dw like w.
     # Lean law linear_weight_adjoint_input (linear_input_adjoint per row): dX = G W
-    k_proj_matmul("nn", dy, w, dx)
+    matmul("nn", dy, w, dx)
     # Lean law linear_weight_adjoint_weight: dW = Gᵀ X
-    k_proj_matmul("tn", dy, x, dw)
+    matmul("tn", dy, x, dw)
 
 
 # Linear layer v_proj (CUDA): y = x @ w.T, in_features=576, out_features=192.
-# Products by a tiled shared-memory matmul (V_PROJ_TILE x V_PROJ_TILE tiles), in three
-# layouts so that no transposed copy is made: NT (x @ w.T), NN (dy @ w), TN (dy.T @ x). One
-# kernel per dtype, so that tiles and accumulators stay in the input dtype.
+# Products by the module's tiled matmul (`matmul`, rendered once from matmul.py.j2).
 V_PROJ_IN_FEATURES = 576
 V_PROJ_OUT_FEATURES = 192
-V_PROJ_TILE = 16
-
-
-@cuda.jit
-def v_proj_matmul_nt_float32_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b.T
-    a_tile = cuda.shared.array((V_PROJ_TILE, V_PROJ_TILE), np.float32)
-    b_tile = cuda.shared.array((V_PROJ_TILE, V_PROJ_TILE), np.float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * V_PROJ_TILE + ty
-    col = cuda.blockIdx.x * V_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float32(0.0)
-    for k0 in range(0, depth, V_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[col, k0 + ty]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(V_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def v_proj_matmul_nn_float32_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b
-    a_tile = cuda.shared.array((V_PROJ_TILE, V_PROJ_TILE), np.float32)
-    b_tile = cuda.shared.array((V_PROJ_TILE, V_PROJ_TILE), np.float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * V_PROJ_TILE + ty
-    col = cuda.blockIdx.x * V_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float32(0.0)
-    for k0 in range(0, depth, V_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(V_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def v_proj_matmul_tn_float32_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a.T, B = b
-    a_tile = cuda.shared.array((V_PROJ_TILE, V_PROJ_TILE), np.float32)
-    b_tile = cuda.shared.array((V_PROJ_TILE, V_PROJ_TILE), np.float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * V_PROJ_TILE + ty
-    col = cuda.blockIdx.x * V_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[0]
-    acc = np.float32(0.0)
-    for k0 in range(0, depth, V_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[k0 + tx, row]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(V_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def v_proj_matmul_nt_float64_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b.T
-    a_tile = cuda.shared.array((V_PROJ_TILE, V_PROJ_TILE), np.float64)
-    b_tile = cuda.shared.array((V_PROJ_TILE, V_PROJ_TILE), np.float64)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * V_PROJ_TILE + ty
-    col = cuda.blockIdx.x * V_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float64(0.0)
-    for k0 in range(0, depth, V_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[col, k0 + ty]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(V_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def v_proj_matmul_nn_float64_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b
-    a_tile = cuda.shared.array((V_PROJ_TILE, V_PROJ_TILE), np.float64)
-    b_tile = cuda.shared.array((V_PROJ_TILE, V_PROJ_TILE), np.float64)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * V_PROJ_TILE + ty
-    col = cuda.blockIdx.x * V_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float64(0.0)
-    for k0 in range(0, depth, V_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(V_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def v_proj_matmul_tn_float64_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a.T, B = b
-    a_tile = cuda.shared.array((V_PROJ_TILE, V_PROJ_TILE), np.float64)
-    b_tile = cuda.shared.array((V_PROJ_TILE, V_PROJ_TILE), np.float64)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * V_PROJ_TILE + ty
-    col = cuda.blockIdx.x * V_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[0]
-    acc = np.float64(0.0)
-    for k0 in range(0, depth, V_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[k0 + tx, row]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(V_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-V_PROJ_MATMUL = {
-    np.dtype(np.float32): {
-        "nt": v_proj_matmul_nt_float32_kernel,
-        "nn": v_proj_matmul_nn_float32_kernel,
-        "tn": v_proj_matmul_tn_float32_kernel,
-    },
-    np.dtype(np.float64): {
-        "nt": v_proj_matmul_nt_float64_kernel,
-        "nn": v_proj_matmul_nn_float64_kernel,
-        "tn": v_proj_matmul_tn_float64_kernel,
-    },
-}
-
-
-def v_proj_matmul(layout, a, b, c):
-    threads = (V_PROJ_TILE, V_PROJ_TILE)
-    blocks = (
-        (c.shape[1] + V_PROJ_TILE - 1) // V_PROJ_TILE,
-        (c.shape[0] + V_PROJ_TILE - 1) // V_PROJ_TILE,
-    )
-    V_PROJ_MATMUL[np.dtype(c.dtype)][layout][blocks, threads](a, b, c)
 
 
 def v_proj_forward(x, w, y):
     # x is (N, 576), w is (192, 576), y is (N, 192)
-    v_proj_matmul("nt", x, w, y)
+    matmul("nt", x, w, y)
 
 
 def v_proj_backward(x, w, dy, dx, dw):
     # in the forward pass this was: y = x @ w.T
     # dx and dw are overwritten. dy is (N, 192), dx like x, dw like w.
     # Lean law linear_weight_adjoint_input (linear_input_adjoint per row): dX = G W
-    v_proj_matmul("nn", dy, w, dx)
+    matmul("nn", dy, w, dx)
     # Lean law linear_weight_adjoint_weight: dW = Gᵀ X
-    v_proj_matmul("tn", dy, x, dw)
+    matmul("tn", dy, x, dw)
 
 
 # Rotary position embedding rope (CUDA, Hugging Face Llama rotate_half form), head_dim=64,
@@ -1013,217 +629,23 @@ def attention_decode(q, k_cache, v_cache, length, out):
 
 
 # Linear layer o_proj (CUDA): y = x @ w.T, in_features=576, out_features=576.
-# Products by a tiled shared-memory matmul (O_PROJ_TILE x O_PROJ_TILE tiles), in three
-# layouts so that no transposed copy is made: NT (x @ w.T), NN (dy @ w), TN (dy.T @ x). One
-# kernel per dtype, so that tiles and accumulators stay in the input dtype.
+# Products by the module's tiled matmul (`matmul`, rendered once from matmul.py.j2).
 O_PROJ_IN_FEATURES = 576
 O_PROJ_OUT_FEATURES = 576
-O_PROJ_TILE = 16
-
-
-@cuda.jit
-def o_proj_matmul_nt_float32_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b.T
-    a_tile = cuda.shared.array((O_PROJ_TILE, O_PROJ_TILE), np.float32)
-    b_tile = cuda.shared.array((O_PROJ_TILE, O_PROJ_TILE), np.float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * O_PROJ_TILE + ty
-    col = cuda.blockIdx.x * O_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float32(0.0)
-    for k0 in range(0, depth, O_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[col, k0 + ty]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(O_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def o_proj_matmul_nn_float32_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b
-    a_tile = cuda.shared.array((O_PROJ_TILE, O_PROJ_TILE), np.float32)
-    b_tile = cuda.shared.array((O_PROJ_TILE, O_PROJ_TILE), np.float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * O_PROJ_TILE + ty
-    col = cuda.blockIdx.x * O_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float32(0.0)
-    for k0 in range(0, depth, O_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(O_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def o_proj_matmul_tn_float32_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a.T, B = b
-    a_tile = cuda.shared.array((O_PROJ_TILE, O_PROJ_TILE), np.float32)
-    b_tile = cuda.shared.array((O_PROJ_TILE, O_PROJ_TILE), np.float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * O_PROJ_TILE + ty
-    col = cuda.blockIdx.x * O_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[0]
-    acc = np.float32(0.0)
-    for k0 in range(0, depth, O_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[k0 + tx, row]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(O_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def o_proj_matmul_nt_float64_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b.T
-    a_tile = cuda.shared.array((O_PROJ_TILE, O_PROJ_TILE), np.float64)
-    b_tile = cuda.shared.array((O_PROJ_TILE, O_PROJ_TILE), np.float64)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * O_PROJ_TILE + ty
-    col = cuda.blockIdx.x * O_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float64(0.0)
-    for k0 in range(0, depth, O_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[col, k0 + ty]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(O_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def o_proj_matmul_nn_float64_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b
-    a_tile = cuda.shared.array((O_PROJ_TILE, O_PROJ_TILE), np.float64)
-    b_tile = cuda.shared.array((O_PROJ_TILE, O_PROJ_TILE), np.float64)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * O_PROJ_TILE + ty
-    col = cuda.blockIdx.x * O_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float64(0.0)
-    for k0 in range(0, depth, O_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(O_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def o_proj_matmul_tn_float64_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a.T, B = b
-    a_tile = cuda.shared.array((O_PROJ_TILE, O_PROJ_TILE), np.float64)
-    b_tile = cuda.shared.array((O_PROJ_TILE, O_PROJ_TILE), np.float64)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * O_PROJ_TILE + ty
-    col = cuda.blockIdx.x * O_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[0]
-    acc = np.float64(0.0)
-    for k0 in range(0, depth, O_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[k0 + tx, row]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(O_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-O_PROJ_MATMUL = {
-    np.dtype(np.float32): {
-        "nt": o_proj_matmul_nt_float32_kernel,
-        "nn": o_proj_matmul_nn_float32_kernel,
-        "tn": o_proj_matmul_tn_float32_kernel,
-    },
-    np.dtype(np.float64): {
-        "nt": o_proj_matmul_nt_float64_kernel,
-        "nn": o_proj_matmul_nn_float64_kernel,
-        "tn": o_proj_matmul_tn_float64_kernel,
-    },
-}
-
-
-def o_proj_matmul(layout, a, b, c):
-    threads = (O_PROJ_TILE, O_PROJ_TILE)
-    blocks = (
-        (c.shape[1] + O_PROJ_TILE - 1) // O_PROJ_TILE,
-        (c.shape[0] + O_PROJ_TILE - 1) // O_PROJ_TILE,
-    )
-    O_PROJ_MATMUL[np.dtype(c.dtype)][layout][blocks, threads](a, b, c)
 
 
 def o_proj_forward(x, w, y):
     # x is (N, 576), w is (576, 576), y is (N, 576)
-    o_proj_matmul("nt", x, w, y)
+    matmul("nt", x, w, y)
 
 
 def o_proj_backward(x, w, dy, dx, dw):
     # in the forward pass this was: y = x @ w.T
     # dx and dw are overwritten. dy is (N, 576), dx like x, dw like w.
     # Lean law linear_weight_adjoint_input (linear_input_adjoint per row): dX = G W
-    o_proj_matmul("nn", dy, w, dx)
+    matmul("nn", dy, w, dx)
     # Lean law linear_weight_adjoint_weight: dW = Gᵀ X
-    o_proj_matmul("tn", dy, x, dw)
+    matmul("tn", dy, x, dw)
 
 
 # Residual residual (CUDA): out = x + r, element-wise on any shape.
@@ -1338,431 +760,43 @@ def mlp_norm_backward(x, w, rstd, dy, dx, dw):
 
 
 # Linear layer gate_proj (CUDA): y = x @ w.T, in_features=576, out_features=1536.
-# Products by a tiled shared-memory matmul (GATE_PROJ_TILE x GATE_PROJ_TILE tiles), in three
-# layouts so that no transposed copy is made: NT (x @ w.T), NN (dy @ w), TN (dy.T @ x). One
-# kernel per dtype, so that tiles and accumulators stay in the input dtype.
+# Products by the module's tiled matmul (`matmul`, rendered once from matmul.py.j2).
 GATE_PROJ_IN_FEATURES = 576
 GATE_PROJ_OUT_FEATURES = 1536
-GATE_PROJ_TILE = 16
-
-
-@cuda.jit
-def gate_proj_matmul_nt_float32_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b.T
-    a_tile = cuda.shared.array((GATE_PROJ_TILE, GATE_PROJ_TILE), np.float32)
-    b_tile = cuda.shared.array((GATE_PROJ_TILE, GATE_PROJ_TILE), np.float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * GATE_PROJ_TILE + ty
-    col = cuda.blockIdx.x * GATE_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float32(0.0)
-    for k0 in range(0, depth, GATE_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[col, k0 + ty]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(GATE_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def gate_proj_matmul_nn_float32_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b
-    a_tile = cuda.shared.array((GATE_PROJ_TILE, GATE_PROJ_TILE), np.float32)
-    b_tile = cuda.shared.array((GATE_PROJ_TILE, GATE_PROJ_TILE), np.float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * GATE_PROJ_TILE + ty
-    col = cuda.blockIdx.x * GATE_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float32(0.0)
-    for k0 in range(0, depth, GATE_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(GATE_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def gate_proj_matmul_tn_float32_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a.T, B = b
-    a_tile = cuda.shared.array((GATE_PROJ_TILE, GATE_PROJ_TILE), np.float32)
-    b_tile = cuda.shared.array((GATE_PROJ_TILE, GATE_PROJ_TILE), np.float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * GATE_PROJ_TILE + ty
-    col = cuda.blockIdx.x * GATE_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[0]
-    acc = np.float32(0.0)
-    for k0 in range(0, depth, GATE_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[k0 + tx, row]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(GATE_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def gate_proj_matmul_nt_float64_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b.T
-    a_tile = cuda.shared.array((GATE_PROJ_TILE, GATE_PROJ_TILE), np.float64)
-    b_tile = cuda.shared.array((GATE_PROJ_TILE, GATE_PROJ_TILE), np.float64)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * GATE_PROJ_TILE + ty
-    col = cuda.blockIdx.x * GATE_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float64(0.0)
-    for k0 in range(0, depth, GATE_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[col, k0 + ty]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(GATE_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def gate_proj_matmul_nn_float64_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b
-    a_tile = cuda.shared.array((GATE_PROJ_TILE, GATE_PROJ_TILE), np.float64)
-    b_tile = cuda.shared.array((GATE_PROJ_TILE, GATE_PROJ_TILE), np.float64)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * GATE_PROJ_TILE + ty
-    col = cuda.blockIdx.x * GATE_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float64(0.0)
-    for k0 in range(0, depth, GATE_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(GATE_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def gate_proj_matmul_tn_float64_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a.T, B = b
-    a_tile = cuda.shared.array((GATE_PROJ_TILE, GATE_PROJ_TILE), np.float64)
-    b_tile = cuda.shared.array((GATE_PROJ_TILE, GATE_PROJ_TILE), np.float64)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * GATE_PROJ_TILE + ty
-    col = cuda.blockIdx.x * GATE_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[0]
-    acc = np.float64(0.0)
-    for k0 in range(0, depth, GATE_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[k0 + tx, row]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(GATE_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-GATE_PROJ_MATMUL = {
-    np.dtype(np.float32): {
-        "nt": gate_proj_matmul_nt_float32_kernel,
-        "nn": gate_proj_matmul_nn_float32_kernel,
-        "tn": gate_proj_matmul_tn_float32_kernel,
-    },
-    np.dtype(np.float64): {
-        "nt": gate_proj_matmul_nt_float64_kernel,
-        "nn": gate_proj_matmul_nn_float64_kernel,
-        "tn": gate_proj_matmul_tn_float64_kernel,
-    },
-}
-
-
-def gate_proj_matmul(layout, a, b, c):
-    threads = (GATE_PROJ_TILE, GATE_PROJ_TILE)
-    blocks = (
-        (c.shape[1] + GATE_PROJ_TILE - 1) // GATE_PROJ_TILE,
-        (c.shape[0] + GATE_PROJ_TILE - 1) // GATE_PROJ_TILE,
-    )
-    GATE_PROJ_MATMUL[np.dtype(c.dtype)][layout][blocks, threads](a, b, c)
 
 
 def gate_proj_forward(x, w, y):
     # x is (N, 576), w is (1536, 576), y is (N, 1536)
-    gate_proj_matmul("nt", x, w, y)
+    matmul("nt", x, w, y)
 
 
 def gate_proj_backward(x, w, dy, dx, dw):
     # in the forward pass this was: y = x @ w.T
     # dx and dw are overwritten. dy is (N, 1536), dx like x, dw like w.
     # Lean law linear_weight_adjoint_input (linear_input_adjoint per row): dX = G W
-    gate_proj_matmul("nn", dy, w, dx)
+    matmul("nn", dy, w, dx)
     # Lean law linear_weight_adjoint_weight: dW = Gᵀ X
-    gate_proj_matmul("tn", dy, x, dw)
+    matmul("tn", dy, x, dw)
 
 
 # Linear layer up_proj (CUDA): y = x @ w.T, in_features=576, out_features=1536.
-# Products by a tiled shared-memory matmul (UP_PROJ_TILE x UP_PROJ_TILE tiles), in three
-# layouts so that no transposed copy is made: NT (x @ w.T), NN (dy @ w), TN (dy.T @ x). One
-# kernel per dtype, so that tiles and accumulators stay in the input dtype.
+# Products by the module's tiled matmul (`matmul`, rendered once from matmul.py.j2).
 UP_PROJ_IN_FEATURES = 576
 UP_PROJ_OUT_FEATURES = 1536
-UP_PROJ_TILE = 16
-
-
-@cuda.jit
-def up_proj_matmul_nt_float32_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b.T
-    a_tile = cuda.shared.array((UP_PROJ_TILE, UP_PROJ_TILE), np.float32)
-    b_tile = cuda.shared.array((UP_PROJ_TILE, UP_PROJ_TILE), np.float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * UP_PROJ_TILE + ty
-    col = cuda.blockIdx.x * UP_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float32(0.0)
-    for k0 in range(0, depth, UP_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[col, k0 + ty]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(UP_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def up_proj_matmul_nn_float32_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b
-    a_tile = cuda.shared.array((UP_PROJ_TILE, UP_PROJ_TILE), np.float32)
-    b_tile = cuda.shared.array((UP_PROJ_TILE, UP_PROJ_TILE), np.float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * UP_PROJ_TILE + ty
-    col = cuda.blockIdx.x * UP_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float32(0.0)
-    for k0 in range(0, depth, UP_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(UP_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def up_proj_matmul_tn_float32_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a.T, B = b
-    a_tile = cuda.shared.array((UP_PROJ_TILE, UP_PROJ_TILE), np.float32)
-    b_tile = cuda.shared.array((UP_PROJ_TILE, UP_PROJ_TILE), np.float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * UP_PROJ_TILE + ty
-    col = cuda.blockIdx.x * UP_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[0]
-    acc = np.float32(0.0)
-    for k0 in range(0, depth, UP_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[k0 + tx, row]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(UP_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def up_proj_matmul_nt_float64_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b.T
-    a_tile = cuda.shared.array((UP_PROJ_TILE, UP_PROJ_TILE), np.float64)
-    b_tile = cuda.shared.array((UP_PROJ_TILE, UP_PROJ_TILE), np.float64)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * UP_PROJ_TILE + ty
-    col = cuda.blockIdx.x * UP_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float64(0.0)
-    for k0 in range(0, depth, UP_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[col, k0 + ty]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(UP_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def up_proj_matmul_nn_float64_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b
-    a_tile = cuda.shared.array((UP_PROJ_TILE, UP_PROJ_TILE), np.float64)
-    b_tile = cuda.shared.array((UP_PROJ_TILE, UP_PROJ_TILE), np.float64)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * UP_PROJ_TILE + ty
-    col = cuda.blockIdx.x * UP_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float64(0.0)
-    for k0 in range(0, depth, UP_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(UP_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def up_proj_matmul_tn_float64_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a.T, B = b
-    a_tile = cuda.shared.array((UP_PROJ_TILE, UP_PROJ_TILE), np.float64)
-    b_tile = cuda.shared.array((UP_PROJ_TILE, UP_PROJ_TILE), np.float64)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * UP_PROJ_TILE + ty
-    col = cuda.blockIdx.x * UP_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[0]
-    acc = np.float64(0.0)
-    for k0 in range(0, depth, UP_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[k0 + tx, row]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(UP_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-UP_PROJ_MATMUL = {
-    np.dtype(np.float32): {
-        "nt": up_proj_matmul_nt_float32_kernel,
-        "nn": up_proj_matmul_nn_float32_kernel,
-        "tn": up_proj_matmul_tn_float32_kernel,
-    },
-    np.dtype(np.float64): {
-        "nt": up_proj_matmul_nt_float64_kernel,
-        "nn": up_proj_matmul_nn_float64_kernel,
-        "tn": up_proj_matmul_tn_float64_kernel,
-    },
-}
-
-
-def up_proj_matmul(layout, a, b, c):
-    threads = (UP_PROJ_TILE, UP_PROJ_TILE)
-    blocks = (
-        (c.shape[1] + UP_PROJ_TILE - 1) // UP_PROJ_TILE,
-        (c.shape[0] + UP_PROJ_TILE - 1) // UP_PROJ_TILE,
-    )
-    UP_PROJ_MATMUL[np.dtype(c.dtype)][layout][blocks, threads](a, b, c)
 
 
 def up_proj_forward(x, w, y):
     # x is (N, 576), w is (1536, 576), y is (N, 1536)
-    up_proj_matmul("nt", x, w, y)
+    matmul("nt", x, w, y)
 
 
 def up_proj_backward(x, w, dy, dx, dw):
     # in the forward pass this was: y = x @ w.T
     # dx and dw are overwritten. dy is (N, 1536), dx like x, dw like w.
     # Lean law linear_weight_adjoint_input (linear_input_adjoint per row): dX = G W
-    up_proj_matmul("nn", dy, w, dx)
+    matmul("nn", dy, w, dx)
     # Lean law linear_weight_adjoint_weight: dW = Gᵀ X
-    up_proj_matmul("tn", dy, x, dw)
+    matmul("tn", dy, x, dw)
 
 
 # SwiGLU element-wise part swiglu (CUDA): h = silu(gate) * up, dim=576, hidden=1536.
@@ -1805,217 +839,23 @@ def swiglu_backward(gate, up, dh, dgate, dup):
 
 
 # Linear layer down_proj (CUDA): y = x @ w.T, in_features=1536, out_features=576.
-# Products by a tiled shared-memory matmul (DOWN_PROJ_TILE x DOWN_PROJ_TILE tiles), in three
-# layouts so that no transposed copy is made: NT (x @ w.T), NN (dy @ w), TN (dy.T @ x). One
-# kernel per dtype, so that tiles and accumulators stay in the input dtype.
+# Products by the module's tiled matmul (`matmul`, rendered once from matmul.py.j2).
 DOWN_PROJ_IN_FEATURES = 1536
 DOWN_PROJ_OUT_FEATURES = 576
-DOWN_PROJ_TILE = 16
-
-
-@cuda.jit
-def down_proj_matmul_nt_float32_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b.T
-    a_tile = cuda.shared.array((DOWN_PROJ_TILE, DOWN_PROJ_TILE), np.float32)
-    b_tile = cuda.shared.array((DOWN_PROJ_TILE, DOWN_PROJ_TILE), np.float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * DOWN_PROJ_TILE + ty
-    col = cuda.blockIdx.x * DOWN_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float32(0.0)
-    for k0 in range(0, depth, DOWN_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[col, k0 + ty]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(DOWN_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def down_proj_matmul_nn_float32_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b
-    a_tile = cuda.shared.array((DOWN_PROJ_TILE, DOWN_PROJ_TILE), np.float32)
-    b_tile = cuda.shared.array((DOWN_PROJ_TILE, DOWN_PROJ_TILE), np.float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * DOWN_PROJ_TILE + ty
-    col = cuda.blockIdx.x * DOWN_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float32(0.0)
-    for k0 in range(0, depth, DOWN_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(DOWN_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def down_proj_matmul_tn_float32_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a.T, B = b
-    a_tile = cuda.shared.array((DOWN_PROJ_TILE, DOWN_PROJ_TILE), np.float32)
-    b_tile = cuda.shared.array((DOWN_PROJ_TILE, DOWN_PROJ_TILE), np.float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * DOWN_PROJ_TILE + ty
-    col = cuda.blockIdx.x * DOWN_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[0]
-    acc = np.float32(0.0)
-    for k0 in range(0, depth, DOWN_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[k0 + tx, row]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(DOWN_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def down_proj_matmul_nt_float64_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b.T
-    a_tile = cuda.shared.array((DOWN_PROJ_TILE, DOWN_PROJ_TILE), np.float64)
-    b_tile = cuda.shared.array((DOWN_PROJ_TILE, DOWN_PROJ_TILE), np.float64)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * DOWN_PROJ_TILE + ty
-    col = cuda.blockIdx.x * DOWN_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float64(0.0)
-    for k0 in range(0, depth, DOWN_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[col, k0 + ty]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(DOWN_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def down_proj_matmul_nn_float64_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b
-    a_tile = cuda.shared.array((DOWN_PROJ_TILE, DOWN_PROJ_TILE), np.float64)
-    b_tile = cuda.shared.array((DOWN_PROJ_TILE, DOWN_PROJ_TILE), np.float64)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * DOWN_PROJ_TILE + ty
-    col = cuda.blockIdx.x * DOWN_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float64(0.0)
-    for k0 in range(0, depth, DOWN_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(DOWN_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def down_proj_matmul_tn_float64_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a.T, B = b
-    a_tile = cuda.shared.array((DOWN_PROJ_TILE, DOWN_PROJ_TILE), np.float64)
-    b_tile = cuda.shared.array((DOWN_PROJ_TILE, DOWN_PROJ_TILE), np.float64)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * DOWN_PROJ_TILE + ty
-    col = cuda.blockIdx.x * DOWN_PROJ_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[0]
-    acc = np.float64(0.0)
-    for k0 in range(0, depth, DOWN_PROJ_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[k0 + tx, row]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(DOWN_PROJ_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-DOWN_PROJ_MATMUL = {
-    np.dtype(np.float32): {
-        "nt": down_proj_matmul_nt_float32_kernel,
-        "nn": down_proj_matmul_nn_float32_kernel,
-        "tn": down_proj_matmul_tn_float32_kernel,
-    },
-    np.dtype(np.float64): {
-        "nt": down_proj_matmul_nt_float64_kernel,
-        "nn": down_proj_matmul_nn_float64_kernel,
-        "tn": down_proj_matmul_tn_float64_kernel,
-    },
-}
-
-
-def down_proj_matmul(layout, a, b, c):
-    threads = (DOWN_PROJ_TILE, DOWN_PROJ_TILE)
-    blocks = (
-        (c.shape[1] + DOWN_PROJ_TILE - 1) // DOWN_PROJ_TILE,
-        (c.shape[0] + DOWN_PROJ_TILE - 1) // DOWN_PROJ_TILE,
-    )
-    DOWN_PROJ_MATMUL[np.dtype(c.dtype)][layout][blocks, threads](a, b, c)
 
 
 def down_proj_forward(x, w, y):
     # x is (N, 1536), w is (576, 1536), y is (N, 576)
-    down_proj_matmul("nt", x, w, y)
+    matmul("nt", x, w, y)
 
 
 def down_proj_backward(x, w, dy, dx, dw):
     # in the forward pass this was: y = x @ w.T
     # dx and dw are overwritten. dy is (N, 576), dx like x, dw like w.
     # Lean law linear_weight_adjoint_input (linear_input_adjoint per row): dX = G W
-    down_proj_matmul("nn", dy, w, dx)
+    matmul("nn", dy, w, dx)
     # Lean law linear_weight_adjoint_weight: dW = Gᵀ X
-    down_proj_matmul("tn", dy, x, dw)
+    matmul("tn", dy, x, dw)
 
 
 # RMSNorm final_norm (CUDA): y = x * rstd * w, rstd = 1 / sqrt(mean(x²) + eps), dim=576, eps=1e-05.
@@ -2099,217 +939,23 @@ def final_norm_backward(x, w, rstd, dy, dx, dw):
 
 
 # Linear layer lm_head (CUDA): y = x @ w.T, in_features=576, out_features=49152.
-# Products by a tiled shared-memory matmul (LM_HEAD_TILE x LM_HEAD_TILE tiles), in three
-# layouts so that no transposed copy is made: NT (x @ w.T), NN (dy @ w), TN (dy.T @ x). One
-# kernel per dtype, so that tiles and accumulators stay in the input dtype.
+# Products by the module's tiled matmul (`matmul`, rendered once from matmul.py.j2).
 LM_HEAD_IN_FEATURES = 576
 LM_HEAD_OUT_FEATURES = 49152
-LM_HEAD_TILE = 16
-
-
-@cuda.jit
-def lm_head_matmul_nt_float32_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b.T
-    a_tile = cuda.shared.array((LM_HEAD_TILE, LM_HEAD_TILE), np.float32)
-    b_tile = cuda.shared.array((LM_HEAD_TILE, LM_HEAD_TILE), np.float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * LM_HEAD_TILE + ty
-    col = cuda.blockIdx.x * LM_HEAD_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float32(0.0)
-    for k0 in range(0, depth, LM_HEAD_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[col, k0 + ty]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(LM_HEAD_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def lm_head_matmul_nn_float32_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b
-    a_tile = cuda.shared.array((LM_HEAD_TILE, LM_HEAD_TILE), np.float32)
-    b_tile = cuda.shared.array((LM_HEAD_TILE, LM_HEAD_TILE), np.float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * LM_HEAD_TILE + ty
-    col = cuda.blockIdx.x * LM_HEAD_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float32(0.0)
-    for k0 in range(0, depth, LM_HEAD_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(LM_HEAD_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def lm_head_matmul_tn_float32_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a.T, B = b
-    a_tile = cuda.shared.array((LM_HEAD_TILE, LM_HEAD_TILE), np.float32)
-    b_tile = cuda.shared.array((LM_HEAD_TILE, LM_HEAD_TILE), np.float32)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * LM_HEAD_TILE + ty
-    col = cuda.blockIdx.x * LM_HEAD_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[0]
-    acc = np.float32(0.0)
-    for k0 in range(0, depth, LM_HEAD_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[k0 + tx, row]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(LM_HEAD_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def lm_head_matmul_nt_float64_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b.T
-    a_tile = cuda.shared.array((LM_HEAD_TILE, LM_HEAD_TILE), np.float64)
-    b_tile = cuda.shared.array((LM_HEAD_TILE, LM_HEAD_TILE), np.float64)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * LM_HEAD_TILE + ty
-    col = cuda.blockIdx.x * LM_HEAD_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float64(0.0)
-    for k0 in range(0, depth, LM_HEAD_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[col, k0 + ty]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(LM_HEAD_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def lm_head_matmul_nn_float64_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a, B = b
-    a_tile = cuda.shared.array((LM_HEAD_TILE, LM_HEAD_TILE), np.float64)
-    b_tile = cuda.shared.array((LM_HEAD_TILE, LM_HEAD_TILE), np.float64)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * LM_HEAD_TILE + ty
-    col = cuda.blockIdx.x * LM_HEAD_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[1]
-    acc = np.float64(0.0)
-    for k0 in range(0, depth, LM_HEAD_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[row, k0 + tx]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(LM_HEAD_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-@cuda.jit
-def lm_head_matmul_tn_float64_kernel(a, b, c):
-    # c is (M, N): c[m, n] = sum_k A[m, k] B[k, n] with A = a.T, B = b
-    a_tile = cuda.shared.array((LM_HEAD_TILE, LM_HEAD_TILE), np.float64)
-    b_tile = cuda.shared.array((LM_HEAD_TILE, LM_HEAD_TILE), np.float64)
-    tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
-    row = cuda.blockIdx.y * LM_HEAD_TILE + ty
-    col = cuda.blockIdx.x * LM_HEAD_TILE + tx
-    n_rows, n_cols = c.shape
-    depth = a.shape[0]
-    acc = np.float64(0.0)
-    for k0 in range(0, depth, LM_HEAD_TILE):
-        if row < n_rows and k0 + tx < depth:
-            a_tile[ty, tx] = a[k0 + tx, row]
-        else:
-            a_tile[ty, tx] = 0.0
-        if col < n_cols and k0 + ty < depth:
-            b_tile[ty, tx] = b[k0 + ty, col]
-        else:
-            b_tile[ty, tx] = 0.0
-        cuda.syncthreads()
-        for kk in range(LM_HEAD_TILE):
-            acc += a_tile[ty, kk] * b_tile[kk, tx]
-        cuda.syncthreads()
-    if row < n_rows and col < n_cols:
-        c[row, col] = acc
-
-
-LM_HEAD_MATMUL = {
-    np.dtype(np.float32): {
-        "nt": lm_head_matmul_nt_float32_kernel,
-        "nn": lm_head_matmul_nn_float32_kernel,
-        "tn": lm_head_matmul_tn_float32_kernel,
-    },
-    np.dtype(np.float64): {
-        "nt": lm_head_matmul_nt_float64_kernel,
-        "nn": lm_head_matmul_nn_float64_kernel,
-        "tn": lm_head_matmul_tn_float64_kernel,
-    },
-}
-
-
-def lm_head_matmul(layout, a, b, c):
-    threads = (LM_HEAD_TILE, LM_HEAD_TILE)
-    blocks = (
-        (c.shape[1] + LM_HEAD_TILE - 1) // LM_HEAD_TILE,
-        (c.shape[0] + LM_HEAD_TILE - 1) // LM_HEAD_TILE,
-    )
-    LM_HEAD_MATMUL[np.dtype(c.dtype)][layout][blocks, threads](a, b, c)
 
 
 def lm_head_forward(x, w, y):
     # x is (N, 576), w is (49152, 576), y is (N, 49152)
-    lm_head_matmul("nt", x, w, y)
+    matmul("nt", x, w, y)
 
 
 def lm_head_backward(x, w, dy, dx, dw):
     # in the forward pass this was: y = x @ w.T
     # dx and dw are overwritten. dy is (N, 49152), dx like x, dw like w.
     # Lean law linear_weight_adjoint_input (linear_input_adjoint per row): dX = G W
-    lm_head_matmul("nn", dy, w, dx)
+    matmul("nn", dy, w, dx)
     # Lean law linear_weight_adjoint_weight: dW = Gᵀ X
-    lm_head_matmul("tn", dy, x, dw)
+    matmul("tn", dy, x, dw)
 
 
 # Cross-entropy loss (CUDA) over 49152 classes; targets == -100 are ignored.

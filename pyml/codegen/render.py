@@ -37,5 +37,7 @@ def render_block(target: str, kind: str, context: dict) -> str:
 
 def render_kernel_module(target: str, blocks: list[tuple[str, dict]]) -> str:
     """Source of one kernel module: the header, then one rendered block per (kind, context)."""
+    if target == "cuda" and any(kind == "linear" for kind, _ in blocks):
+        blocks = [("matmul", {}), *blocks]  # one tiled matmul serves every linear layer
     parts = [HEADERS[target]] + [render_block(target, kind, context) for kind, context in blocks]
     return "\n\n".join(parts)
