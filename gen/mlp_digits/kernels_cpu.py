@@ -2,7 +2,126 @@
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
+
+
+# Scalar math that LLVM can vectorize, shared by this module's kernels. LLVM vectorizes a loop only
+# when everything in it is inlined arithmetic: libm's exp is an opaque call (this numba has no SVML),
+# a float64 running sum is a chain of dependent adds unless reassociation is allowed, and a running
+# max is a chain of compare-selects. Measured on the SmolLM2 step (2 cores, AVX-512): the SwiGLU
+# forward over (256, 1536) went from 1.06 ms with libm's exp to 0.16 ms.
+#
+# exp for float32 is Cephes' expf: x = n ln2 + r with ln2 in two parts (exact n * C1), a degree-7
+# polynomial for exp(r), and 2^n built from the exponent bits. It is within 1 ulp of the float64 exp
+# on [-87, 88] (tests/test_vector_math.py); the argument is clamped to that range first, so results
+# below exp(-87) = 1.6e-38 read as 1.6e-38 (no sum here notices) and above exp(88) as exp(88). NaN
+# passes through. Float64 arguments use libm's exp, so the float64 kernels keep full precision.
+EXP_F32_LOW = np.float32(-87.0)
+EXP_F32_HIGH = np.float32(88.0)
+EXP_F32_LOG2E = np.float32(1.44269504088896341)
+EXP_F32_LN2_HIGH = np.float32(0.693359375)
+EXP_F32_LN2_LOW = np.float32(-2.12194440e-4)
+EXP_F32_POLYNOMIAL = (
+    np.float32(1.9875691500e-4),
+    np.float32(1.3981999507e-3),
+    np.float32(8.3334519073e-3),
+    np.float32(4.1665795894e-2),
+    np.float32(1.6666665459e-1),
+    np.float32(5.0000001201e-1),
+)
+F32_HALF = np.float32(0.5)
+F32_ONE = np.float32(1.0)
+# lanes of the running maximum: one AVX-512 register of float32
+MAX_LANES = 16
+
+
+def exp_vectorizable(x):
+    """exp(x), vectorizable in float32; the overload below is what the kernels compile."""
+    return math.exp(x)
+
+
+def sigmoid_vectorizable(x):
+    """1 / (1 + exp(-x)) in x's dtype; the overload below is what the kernels compile."""
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+@njit(cache=True)
+def exp_float32(x):
+    if x != x:
+        return x
+    clamped = EXP_F32_LOW if x < EXP_F32_LOW else (EXP_F32_HIGH if x > EXP_F32_HIGH else x)
+    n = np.floor(clamped * EXP_F32_LOG2E + F32_HALF)
+    r = clamped - n * EXP_F32_LN2_HIGH - n * EXP_F32_LN2_LOW
+    c0, c1, c2, c3, c4, c5 = EXP_F32_POLYNOMIAL
+    p = ((((c0 * r + c1) * r + c2) * r + c3) * r + c4) * r + c5
+    p = p * r * r + r + F32_ONE
+    return p * np.int32((np.int32(n) + 127) << 23).view(np.float32)
+
+
+@overload(exp_vectorizable)
+def exp_vectorizable_overload(x):
+    if x == types.float32:
+        return lambda x: exp_float32(x)
+    return lambda x: math.exp(x)
+
+
+@overload(sigmoid_vectorizable)
+def sigmoid_vectorizable_overload(x):
+    if x == types.float32:
+        return lambda x: F32_ONE / (F32_ONE + exp_float32(-x))
+    return lambda x: 1.0 / (1.0 + math.exp(-x))
+
+
+@njit(cache=True, fastmath={"reassoc"})
+def sum_float64(x):
+    # the sum of a 1-D array, accumulated in float64; reassociation lets LLVM keep a vector of
+    # partial sums (a fixed order for a given build, so deterministic)
+    total = 0.0
+    for i in range(x.shape[0]):
+        total += x[i]
+    return total
+
+
+@njit(cache=True, fastmath={"reassoc"})
+def dot_float64(x, y):
+    # sum_i x[i] y[i] of two 1-D arrays, products and sum in float64, vectorized as sum_float64
+    total = 0.0
+    for i in range(x.shape[0]):
+        total += np.float64(x[i]) * np.float64(y[i])
+    return total
+
+
+@njit(cache=True, fastmath={"reassoc"})
+def weighted_dot_float64(x, y, weight):
+    # sum_i x[i] y[i] weight[i] of three 1-D arrays, in float64, vectorized as sum_float64
+    total = 0.0
+    for i in range(x.shape[0]):
+        total += np.float64(x[i]) * np.float64(y[i]) * np.float64(weight[i])
+    return total
+
+
+@njit(cache=True)
+def max_value(x, lanes):
+    # the largest element of a non-empty 1-D array; lanes is (MAX_LANES,) scratch in x's dtype. The
+    # running max is kept per lane, so consecutive compares are independent. With a NaN in x the
+    # result is NaN or the largest other element: callers meet the NaN again in their exp and sum.
+    n_full = x.shape[0] // MAX_LANES * MAX_LANES
+    if n_full == 0:
+        best = x[0]
+    else:
+        for k in range(MAX_LANES):
+            lanes[k] = x[k]
+        for start in range(MAX_LANES, n_full, MAX_LANES):
+            for k in range(MAX_LANES):
+                v = x[start + k]
+                lanes[k] = v if v > lanes[k] else lanes[k]
+        best = lanes[0]
+        for k in range(1, MAX_LANES):
+            best = lanes[k] if lanes[k] > best else best
+    for i in range(n_full, x.shape[0]):
+        best = x[i] if x[i] > best else best
+    return best
 
 
 # Linear layer fc1: y = x @ w.T + b, in_features=64, out_features=128.
@@ -150,10 +269,9 @@ def loss_count_valid_kernel(targets):
     return n_valid
 
 
-# The exponentials run through numpy's SIMD np.exp over the whole (N, 10) block (several
-# times faster than a scalar libm exp per element); the max, the shift and the sums are numba kernels.
-# Scratch for the loss alone (logits are left intact there), and the per-row max and target logit:
-# one set per (N, dtype), allocated on first use, so nothing is allocated in the step.
+# Scratch: per-row lanes for the row max (N, MAX_LANES), and for the loss alone the exponentials
+# (N, 10), since there logits are left intact. One set per (N, dtype, with_exps), allocated on
+# first use, so nothing is allocated in the step.
 LOSS_SCRATCH = {}
 
 
@@ -161,64 +279,49 @@ def loss_scratch(n_rows, dtype, with_exps):
     key = (n_rows, np.dtype(dtype), with_exps)
     if key not in LOSS_SCRATCH:
         exps = np.empty((n_rows, LOSS_CLASSES), dtype) if with_exps else None
-        LOSS_SCRATCH[key] = (exps, np.empty(n_rows, dtype), np.empty(n_rows))
+        LOSS_SCRATCH[key] = (exps, np.empty((n_rows, MAX_LANES), dtype))
     return LOSS_SCRATCH[key]
 
 
 @njit(cache=True, parallel=True)
-def loss_shift_kernel(logits, targets, shifted, row_max, target_logit):
-    # logits, shifted are (N, 10) and may alias; per row: row_max[n] = max_c logits[n, c],
-    # target_logit[n] = logits[n, target] in float64 (read before shifted, which may be logits, is
-    # written), shifted[n] = logits[n] - row_max[n].
-    for n in prange(logits.shape[0]):
-        x, d = logits[n], shifted[n]
-        m = x[0]
-        for c in range(1, LOSS_CLASSES):
-            m = max(m, x[c])
-        row_max[n] = m
-        target = targets[n]
-        target_logit[n] = np.float64(x[target]) if target != LOSS_IGNORE_INDEX else 0.0
-        for c in range(LOSS_CLASSES):
-            d[c] = x[c] - m
-
-
-@njit(cache=True, parallel=True)
-def loss_loss_sum_kernel(exps, targets, row_max, target_logit, inv_n_valid, write_grad):
-    # exps is (N, 10): exp(logits - row_max) per row. Each row's sum in float64; with
-    # write_grad, exps becomes dlogits = (softmax - onehot) / n_valid in place, zeros on ignored rows.
-    # Returns the float64 sum of the row losses logsumexp - target logit.
-    n_rows = exps.shape[0]
+def loss_loss_sum_kernel(logits, targets, exps, lanes, inv_n_valid, write_grad):
+    # logits is (N, 10); exps is (N, 10) and may be logits itself: per row it receives
+    # exp(logits - row max), each row's sum taken in float64. With write_grad, exps becomes
+    # dlogits = (softmax - onehot) / n_valid in place, zeros on ignored rows. lanes is (N, MAX_LANES)
+    # scratch. Returns the float64 sum of the row losses logsumexp - target logit.
+    in_place = exps.ctypes.data == logits.ctypes.data
+    n_rows = logits.shape[0]
     partial = np.zeros(LOSS_CHUNKS)
     rows_per_chunk = (n_rows + LOSS_CHUNKS - 1) // LOSS_CHUNKS
     for chunk in prange(LOSS_CHUNKS):
         for n in range(chunk * rows_per_chunk, min((chunk + 1) * rows_per_chunk, n_rows)):
             target = targets[n]
-            d = exps[n]
+            x, d = logits[n], exps[n]
             if target == LOSS_IGNORE_INDEX:
                 if write_grad:
                     d[:] = 0.0
                 continue
-            total = 0.0
-            for c in range(LOSS_CLASSES):
-                total += d[c]
+            row_max = max_value(x, lanes[n])
+            target_logit = np.float64(x[target])  # read before d, which may be x, is written
+            # two loops: in place, a loop reading x and writing d fails LLVM's overlap check and
+            # runs scalar (measured 6x slower); over d alone it is vectorized
+            if in_place:
+                for c in range(LOSS_CLASSES):
+                    d[c] = exp_vectorizable(d[c] - row_max)
+            else:
+                for c in range(LOSS_CLASSES):
+                    d[c] = exp_vectorizable(x[c] - row_max)
+            total = sum_float64(d)
             if write_grad:
                 scale = inv_n_valid / total
                 for c in range(LOSS_CLASSES):
                     d[c] *= scale
                 d[target] -= inv_n_valid
-            partial[chunk] += math.log(total) + np.float64(row_max[n]) - target_logit[n]
+            partial[chunk] += math.log(total) + np.float64(row_max) - target_logit
     loss_sum = 0.0
     for chunk in range(LOSS_CHUNKS):
         loss_sum += partial[chunk]
     return loss_sum
-
-
-def loss_loss_sum(logits, targets, exps, inv_n_valid, write_grad):
-    # exps (N, 10) receives exp(logits - row max) (it may be logits itself), then the sums
-    _, row_max, target_logit = loss_scratch(logits.shape[0], logits.dtype, False)
-    loss_shift_kernel(logits, targets, exps, row_max, target_logit)
-    np.exp(exps, out=exps)
-    return loss_loss_sum_kernel(exps, targets, row_max, target_logit, inv_n_valid, write_grad)
 
 
 def loss_forward_backward(logits, targets, dlogits):
@@ -227,15 +330,16 @@ def loss_forward_backward(logits, targets, dlogits):
     # dlogits is overwritten: (softmax - onehot) / n_valid, zeros on ignored rows.
     n_valid = loss_count_valid_kernel(targets)
     inv_n_valid = 1.0 / n_valid if n_valid else 0.0
-    loss_sum = loss_loss_sum(logits, targets, dlogits, inv_n_valid, True)
+    _, lanes = loss_scratch(logits.shape[0], logits.dtype, False)
+    loss_sum = loss_loss_sum_kernel(logits, targets, dlogits, lanes, inv_n_valid, True)
     return loss_sum / n_valid if n_valid else math.nan
 
 
 def loss_forward(logits, targets):
     # the loss alone (held-out evaluation); logits is (N, 10), targets is (N,) int64
     n_valid = loss_count_valid_kernel(targets)
-    exps, _, _ = loss_scratch(logits.shape[0], logits.dtype, True)
-    loss_sum = loss_loss_sum(logits, targets, exps, 0.0, False)
+    exps, lanes = loss_scratch(logits.shape[0], logits.dtype, True)
+    loss_sum = loss_loss_sum_kernel(logits, targets, exps, lanes, 0.0, False)
     return loss_sum / n_valid if n_valid else math.nan
 
 

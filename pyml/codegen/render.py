@@ -17,6 +17,9 @@ HEADERS = {
     "cpu": "import math\n\nimport numpy as np\nfrom numba import njit, prange\n",
     "cuda": "import math\n\nimport numpy as np\nfrom numba import cuda\n",
 }
+# CPU kinds whose kernels call the vectorizable exp, sum or max of `cpu/vector_math.py.j2`
+VECTOR_MATH_KINDS = {"attention", "cross_entropy", "rmsnorm", "silu", "swiglu"}
+VECTOR_MATH_IMPORTS = "from numba.extending import overload\n"
 
 ENVIRONMENT = jinja2.Environment(
     loader=jinja2.FileSystemLoader(TEMPLATES),
@@ -37,7 +40,12 @@ def render_block(target: str, kind: str, context: dict) -> str:
 
 def render_kernel_module(target: str, blocks: list[tuple[str, dict]]) -> str:
     """Source of one kernel module: the header, then one rendered block per (kind, context)."""
-    if target == "cuda" and any(kind == "linear" for kind, _ in blocks):
+    header = HEADERS[target]
+    kinds = {kind for kind, _ in blocks}
+    if target == "cuda" and "linear" in kinds:
         blocks = [("matmul", {}), *blocks]  # one tiled matmul serves every linear layer
-    parts = [HEADERS[target]] + [render_block(target, kind, context) for kind, context in blocks]
+    if target == "cpu" and kinds & VECTOR_MATH_KINDS:
+        header = header.replace("njit, prange", "njit, prange, types") + VECTOR_MATH_IMPORTS
+        blocks = [("vector_math", {}), *blocks]
+    parts = [header] + [render_block(target, kind, context) for kind, context in blocks]
     return "\n\n".join(parts)
