@@ -136,12 +136,9 @@ def test_activation(cpu, gpu, kind):
 def test_swiglu_and_residual(cpu, gpu):
     rng = np.random.default_rng(6)
     g, u, dh = rand(rng, 3, HIDDEN) * 3, rand(rng, 3, HIDDEN), rand(rng, 3, HIDDEN)
-    same(*run_both(cpu.mlp_forward, gpu.mlp_forward, g, u, np.zeros_like(g))[:2])
-    same(
-        *run_both(cpu.mlp_backward, gpu.mlp_backward, g, u, dh, np.zeros_like(g), np.zeros_like(g))[
-            :2
-        ]
-    )
+    gate_up = np.concatenate([g, u], axis=1)
+    same(*run_both(cpu.mlp_forward, gpu.mlp_forward, gate_up, np.zeros_like(g))[:2])
+    same(*run_both(cpu.mlp_backward, gpu.mlp_backward, gate_up, dh, np.zeros_like(gate_up))[:2])
     same(*run_both(cpu.res_forward, gpu.res_forward, g, u, np.zeros_like(g))[:2])
     same(*run_both(cpu.res_backward, gpu.res_backward, g, u)[:2])
 

@@ -1,6 +1,8 @@
 """Checkpoints: weights, optimizer moments, step count and state round-trip exactly; a new one
 replaces the old only once it is complete."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -34,7 +36,7 @@ def test_round_trip_is_exact(tmp_path):
     restored = m.Model()
     restored_optimizer = m.AdamW(restored)
     loaded = load_checkpoint(path, restored, restored_optimizer)
-    assert loaded == {**state, "optimizer_step_count": 3}
+    assert loaded == {**state, "optimizer_step_count": 3, "parameter_layout": m.Parameters.LAYOUT}
     assert restored_optimizer.step_count == 3
     assert (restored.params.flat == model.params.flat).all()
     for name, moment in optimizer.state().items():
@@ -66,3 +68,20 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path):
     other = llama.Model()
     with pytest.raises(PymlError, match="missing tensor"):
         load_checkpoint(path, other, llama.AdamW(other))
+
+
+@pytest.mark.parametrize("layout", [None, "fc1_weight(64,128) fc1_bias(128)"])
+def test_optimizer_state_of_another_layout_is_refused(tmp_path, layout):
+    # flat moments saved under another parameter order (or by a pyml that did not record the
+    # order) would be applied to the wrong weights
+    model, optimizer = trained_model()
+    path = save_checkpoint(tmp_path, model, optimizer, {"step": 3})
+    state = read_state(path)
+    if layout is None:
+        del state["parameter_layout"]
+    else:
+        state["parameter_layout"] = layout
+    (path / "state.json").write_text(json.dumps(state))
+    restored = m.Model()
+    with pytest.raises(PymlError, match="laid out for other parameters"):
+        load_checkpoint(path, restored, m.AdamW(restored))

@@ -65,16 +65,16 @@ def test_activation(k, kind):
 
 def test_swiglu(k):
     rng = np.random.default_rng(1)
-    gate, up, c = (rng.standard_normal((4, HIDDEN)) * 3 for _ in range(3))
+    gate_up, c = rng.standard_normal((4, 2 * HIDDEN)) * 3, rng.standard_normal((4, HIDDEN)) * 3
 
-    def loss(gate, up):
-        h = np.empty_like(gate)
-        k.mlp_forward(gate, up, h)
+    def loss(gate_up):
+        h = np.empty_like(c)
+        k.mlp_forward(gate_up, h)
         return float(np.sum(c * h))
 
-    dgate, dup = np.empty_like(gate), np.empty_like(up)
-    k.mlp_backward(gate, up, c, dgate, dup)
-    check(loss, [gate, up], [dgate, dup], rng)
+    dgate_up = np.empty_like(gate_up)
+    k.mlp_backward(gate_up, c, dgate_up)
+    check(loss, [gate_up], [dgate_up], rng)
 
 
 @pytest.mark.parametrize("seq", [1, 6])

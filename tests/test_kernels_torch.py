@@ -249,16 +249,16 @@ def test_attention(k, dtype, b, seq):
 @pytest.mark.parametrize("n", ROWS)
 def test_swiglu(k, dtype, n):
     rng = np.random.default_rng(n)
-    gate, up, dh = (rand(rng, (n, HIDDEN), dtype, 4.0) for _ in range(3))
-    h, dgate, dup = np.empty_like(gate), np.empty_like(gate), np.empty_like(gate)
-    k.mlp_forward(gate, up, h)
-    k.mlp_backward(gate, up, dh, dgate, dup)
-    tg, tu = t(gate, True), t(up, True)
+    gate_up, dh = rand(rng, (n, 2 * HIDDEN), dtype, 4.0), rand(rng, (n, HIDDEN), dtype, 4.0)
+    h, dgate_up = np.empty_like(dh), np.empty_like(gate_up)
+    k.mlp_forward(gate_up, h)
+    k.mlp_backward(gate_up, dh, dgate_up)
+    tg, tu = t(gate_up[:, :HIDDEN], True), t(gate_up[:, HIDDEN:], True)
     th = F.silu(tg) * tu
     th.backward(t(dh))
     close(h, th, dtype, "elementwise")
-    close(dgate, tg.grad, dtype, "elementwise")
-    close(dup, tu.grad, dtype, "elementwise")
+    close(dgate_up[:, :HIDDEN], tg.grad, dtype, "elementwise")
+    close(dgate_up[:, HIDDEN:], tu.grad, dtype, "elementwise")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

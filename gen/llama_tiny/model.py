@@ -21,6 +21,8 @@ N_HEADS = 4
 N_KV_HEADS = 2
 HEAD_DIM = 8
 HIDDEN = 64
+Q_DIM, KV_DIM = N_HEADS * HEAD_DIM, N_KV_HEADS * HEAD_DIM
+QKV_HEADS = N_HEADS + 2 * N_KV_HEADS  # the fused projection's output: q, k and v heads side by side
 MAX_SEQ_LEN = 64
 TIED_HEAD = True
 LAWS = (
@@ -43,18 +45,18 @@ class Parameters:
     """Every parameter as a view into one flat buffer, so AdamW is a single pass over `flat`."""
 
     SIZE = 21664
+    # where each parameter sits in `flat`: checkpoints store the optimizer state as flat buffers
+    # and record this, so a state saved under another layout is refused rather than misapplied
+    LAYOUT = "embed(96,32) attn_norm(2,32) qkv_proj(2,64,32) o_proj(2,32,32) mlp_norm(2,32) gate_up_proj(2,128,32) down_proj(2,32,64) final_norm(32)"
 
     def __init__(self, flat):
         self.flat = flat
         self.embed = flat[0:3072].reshape((96, 32))
         self.attn_norm = flat[3072:3136].reshape((2, 32))
-        self.q_proj = flat[3136:5184].reshape((2, 32, 32))
-        self.k_proj = flat[5184:6208].reshape((2, 16, 32))
-        self.v_proj = flat[6208:7232].reshape((2, 16, 32))
+        self.qkv_proj = flat[3136:7232].reshape((2, 64, 32))
         self.o_proj = flat[7232:9280].reshape((2, 32, 32))
         self.mlp_norm = flat[9280:9344].reshape((2, 32))
-        self.gate_proj = flat[9344:13440].reshape((2, 64, 32))
-        self.up_proj = flat[13440:17536].reshape((2, 64, 32))
+        self.gate_up_proj = flat[9344:17536].reshape((2, 128, 32))
         self.down_proj = flat[17536:21632].reshape((2, 32, 64))
         self.final_norm = flat[21632:21664].reshape((32,))
 
@@ -191,43 +193,57 @@ def hf_tensors(params):
     tensors = {"model.embed_tokens.weight": params.embed, "model.norm.weight": params.final_norm}
     for l in range(N_LAYERS):
         layer = f"model.layers.{l}"
+        qkv, gate_up = params.qkv_proj[l], params.gate_up_proj[l]  # the fused weights' row blocks
         tensors[f"{layer}.input_layernorm.weight"] = params.attn_norm[l]
-        tensors[f"{layer}.self_attn.q_proj.weight"] = params.q_proj[l]
-        tensors[f"{layer}.self_attn.k_proj.weight"] = params.k_proj[l]
-        tensors[f"{layer}.self_attn.v_proj.weight"] = params.v_proj[l]
+        tensors[f"{layer}.self_attn.q_proj.weight"] = qkv[:Q_DIM]
+        tensors[f"{layer}.self_attn.k_proj.weight"] = qkv[Q_DIM : Q_DIM + KV_DIM]
+        tensors[f"{layer}.self_attn.v_proj.weight"] = qkv[Q_DIM + KV_DIM :]
         tensors[f"{layer}.self_attn.o_proj.weight"] = params.o_proj[l]
         tensors[f"{layer}.post_attention_layernorm.weight"] = params.mlp_norm[l]
-        tensors[f"{layer}.mlp.gate_proj.weight"] = params.gate_proj[l]
-        tensors[f"{layer}.mlp.up_proj.weight"] = params.up_proj[l]
+        tensors[f"{layer}.mlp.gate_proj.weight"] = gate_up[:HIDDEN]
+        tensors[f"{layer}.mlp.up_proj.weight"] = gate_up[HIDDEN:]
         tensors[f"{layer}.mlp.down_proj.weight"] = params.down_proj[l]
     return tensors
+
+
+def split_qkv(qkv):
+    """Views (q, k, v, q and k together) of a (..., QKV_HEADS, HEAD_DIM) buffer along its heads
+    axis: basic slices (numba's device arrays take no Ellipsis), so they work on host and device
+    arrays and writes go through."""
+    lead = (slice(None),) * (qkv.ndim - 2)
+    q_end, k_end = N_HEADS, N_HEADS + N_KV_HEADS
+    return tuple(
+        qkv[lead + (heads,)]
+        for heads in (
+            slice(0, q_end),
+            slice(q_end, k_end),
+            slice(k_end, QKV_HEADS),
+            slice(0, k_end),
+        )
+    )
 
 
 class Activations:
     """What the forward pass saves for the backward pass, allocated once per (B, T)."""
 
     def __init__(self, device, B, T):
-        N, Q, KV = B * T, N_HEADS * HEAD_DIM, N_KV_HEADS * HEAD_DIM
+        N = B * T
         zeros = device.zeros
         self.ids = zeros(N, np.int64)
         self.targets = zeros(N, np.int64)
         self.x = zeros((N_LAYERS + 1, N, DIM))  # residual stream at each block's input
         self.ln1, self.rstd1 = zeros((N_LAYERS, N, DIM)), zeros((N_LAYERS, N))
-        self.q, self.k, self.v = (
-            zeros((N_LAYERS, N, Q)),
-            zeros((N_LAYERS, N, KV)),
-            zeros((N_LAYERS, N, KV)),
-        )
-        self.q4 = self.q.reshape(N_LAYERS, B, T, N_HEADS, HEAD_DIM)
-        self.k4 = self.k.reshape(N_LAYERS, B, T, N_KV_HEADS, HEAD_DIM)
-        self.v4 = self.v.reshape(N_LAYERS, B, T, N_KV_HEADS, HEAD_DIM)
+        qkv5 = zeros((N_LAYERS, B, T, QKV_HEADS, HEAD_DIM))
+        self.qkv = qkv5.reshape(N_LAYERS, N, QKV_HEADS * HEAD_DIM)  # what qkv_proj writes
+        self.q4, self.k4, self.v4, self.qk4 = split_qkv(qkv5)
         self.att = zeros((N_LAYERS, B, N_HEADS, T, T))  # softmax probabilities
-        self.y = zeros((N_LAYERS, B, T, Q))  # attention output, heads side by side
-        self.y2 = self.y.reshape(N_LAYERS, N, Q)
+        self.y = zeros((N_LAYERS, B, T, Q_DIM))  # attention output, heads side by side
+        self.y2 = self.y.reshape(N_LAYERS, N, Q_DIM)
         self.o = zeros((N, DIM))
         self.xm = zeros((N_LAYERS, N, DIM))  # residual stream between attention and MLP
         self.ln2, self.rstd2 = zeros((N_LAYERS, N, DIM)), zeros((N_LAYERS, N))
-        self.gate, self.up, self.h = (zeros((N_LAYERS, N, HIDDEN)) for _ in range(3))
+        self.gate_up = zeros((N_LAYERS, N, 2 * HIDDEN))  # gate in columns :HIDDEN, up after
+        self.h = zeros((N_LAYERS, N, HIDDEN))
         self.down = zeros((N, DIM))
         self.xf, self.rstdf = zeros((N, DIM)), zeros(N)
         self.logits = zeros((N, VOCAB))  # becomes d loss / d logits in place
@@ -237,18 +253,15 @@ class Gradients:
     """Gradient buffers of activations, reused by every block of the backward pass."""
 
     def __init__(self, device, B, T):
-        N, Q, KV = B * T, N_HEADS * HEAD_DIM, N_KV_HEADS * HEAD_DIM
+        N = B * T
         zeros = device.zeros
         self.dx, self.dnorm_in, self.dln, self.dxf = (zeros((N, DIM)) for _ in range(4))
-        self.dln_q, self.dln_k, self.dln_v = (zeros((N, DIM)) for _ in range(3))
-        self.dln_gate, self.dln_up = zeros((N, DIM)), zeros((N, DIM))
-        self.dq, self.dk, self.dv = zeros((N, Q)), zeros((N, KV)), zeros((N, KV))
-        self.dq4 = self.dq.reshape(B, T, N_HEADS, HEAD_DIM)
-        self.dk4 = self.dk.reshape(B, T, N_KV_HEADS, HEAD_DIM)
-        self.dv4 = self.dv.reshape(B, T, N_KV_HEADS, HEAD_DIM)
-        self.dy = zeros((B, T, Q))
-        self.dy2 = self.dy.reshape(N, Q)
-        self.dgate, self.dup, self.dh = (zeros((N, HIDDEN)) for _ in range(3))
+        dqkv4 = zeros((B, T, QKV_HEADS, HEAD_DIM))
+        self.dqkv = dqkv4.reshape(N, QKV_HEADS * HEAD_DIM)
+        self.dq4, self.dk4, self.dv4, self.dqk4 = split_qkv(dqkv4)
+        self.dy = zeros((B, T, Q_DIM))
+        self.dy2 = self.dy.reshape(N, Q_DIM)
+        self.dgate_up, self.dh = zeros((N, 2 * HIDDEN)), zeros((N, HIDDEN))
 
 
 class Model:
@@ -360,18 +373,14 @@ class Model:
         k.embed_forward(ids, p.embed, s.x[0])
         for l in range(N_LAYERS):
             k.attn_norm_forward(s.x[l], p.attn_norm[l], s.ln1[l], s.rstd1[l])
-            k.q_proj_forward(s.ln1[l], p.q_proj[l], s.q[l])
-            k.k_proj_forward(s.ln1[l], p.k_proj[l], s.k[l])
-            k.v_proj_forward(s.ln1[l], p.v_proj[l], s.v[l])
-            k.rope_forward(s.q4[l], self.cos, self.sin, 0)
-            k.rope_forward(s.k4[l], self.cos, self.sin, 0)
+            k.qkv_proj_forward(s.ln1[l], p.qkv_proj[l], s.qkv[l])
+            k.rope_forward(s.qk4[l], self.cos, self.sin, 0)
             k.attention_forward(s.q4[l], s.k4[l], s.v4[l], s.att[l], s.y[l])
             k.o_proj_forward(s.y2[l], p.o_proj[l], s.o)
             k.residual_forward(s.x[l], s.o, s.xm[l])
             k.mlp_norm_forward(s.xm[l], p.mlp_norm[l], s.ln2[l], s.rstd2[l])
-            k.gate_proj_forward(s.ln2[l], p.gate_proj[l], s.gate[l])
-            k.up_proj_forward(s.ln2[l], p.up_proj[l], s.up[l])
-            k.swiglu_forward(s.gate[l], s.up[l], s.h[l])
+            k.gate_up_proj_forward(s.ln2[l], p.gate_up_proj[l], s.gate_up[l])
+            k.swiglu_forward(s.gate_up[l], s.h[l])
             k.down_proj_forward(s.h[l], p.down_proj[l], s.down)
             k.residual_forward(s.xm[l], s.down, s.x[l + 1])
         k.final_norm_forward(s.x[-1], p.final_norm, s.xf, s.rstdf)
@@ -389,13 +398,11 @@ class Model:
             # down_proj (Lean: linear_input_adjoint, linear_weight_adjoint_input, linear_weight_adjoint_weight)
             k.down_proj_backward(s.h[l], p.down_proj[l], g.dx, g.dh, gr.down_proj[l])
             # swiglu (Lean: hadamard_adjoint)
-            k.swiglu_backward(s.gate[l], s.up[l], g.dh, g.dgate, g.dup)
-            # up_proj (Lean: linear_input_adjoint, linear_weight_adjoint_input, linear_weight_adjoint_weight)
-            k.up_proj_backward(s.ln2[l], p.up_proj[l], g.dup, g.dln_up, gr.up_proj[l])
-            # gate_proj (Lean: linear_input_adjoint, linear_weight_adjoint_input, linear_weight_adjoint_weight)
-            k.gate_proj_backward(s.ln2[l], p.gate_proj[l], g.dgate, g.dln_gate, gr.gate_proj[l])
-            # gate_up_fanout (Lean: residual_adjoint)
-            k.residual_forward(g.dln_gate, g.dln_up, g.dln)
+            k.swiglu_backward(s.gate_up[l], g.dh, g.dgate_up)
+            # gate_up_proj (Lean: linear_input_adjoint, linear_weight_adjoint_input, linear_weight_adjoint_weight)
+            k.gate_up_proj_backward(
+                s.ln2[l], p.gate_up_proj[l], g.dgate_up, g.dln, gr.gate_up_proj[l]
+            )
             # mlp_norm
             k.mlp_norm_backward(
                 s.xm[l], p.mlp_norm[l], s.rstd2[l], g.dln, g.dnorm_in, gr.mlp_norm[l]
@@ -408,17 +415,9 @@ class Model:
             # attention (Lean: matmul_adjoint_left, matmul_adjoint_right)
             k.attention_backward(s.q4[l], s.k4[l], s.v4[l], s.att[l], g.dy, g.dq4, g.dk4, g.dv4)
             # rope (Lean: rotation_adjoint)
-            k.rope_backward(g.dq4, self.cos, self.sin)
-            k.rope_backward(g.dk4, self.cos, self.sin)
-            # v_proj (Lean: linear_input_adjoint, linear_weight_adjoint_input, linear_weight_adjoint_weight)
-            k.v_proj_backward(s.ln1[l], p.v_proj[l], g.dv, g.dln_v, gr.v_proj[l])
-            # k_proj (Lean: linear_input_adjoint, linear_weight_adjoint_input, linear_weight_adjoint_weight)
-            k.k_proj_backward(s.ln1[l], p.k_proj[l], g.dk, g.dln_k, gr.k_proj[l])
-            # q_proj (Lean: linear_input_adjoint, linear_weight_adjoint_input, linear_weight_adjoint_weight)
-            k.q_proj_backward(s.ln1[l], p.q_proj[l], g.dq, g.dln_q, gr.q_proj[l])
-            # qkv_fanout (Lean: residual_adjoint)
-            k.residual_forward(g.dln_q, g.dln_k, g.dln)
-            k.residual_backward(g.dln_v, g.dln)
+            k.rope_backward(g.dqk4, self.cos, self.sin)
+            # qkv_proj (Lean: linear_input_adjoint, linear_weight_adjoint_input, linear_weight_adjoint_weight)
+            k.qkv_proj_backward(s.ln1[l], p.qkv_proj[l], g.dqkv, g.dln, gr.qkv_proj[l])
             # attn_norm
             k.attn_norm_backward(
                 s.x[l], p.attn_norm[l], s.rstd1[l], g.dln, g.dnorm_in, gr.attn_norm[l]
@@ -459,20 +458,16 @@ class Model:
         k.embed_forward(s.ids, p.embed, s.x)
         for l in range(N_LAYERS):
             k.attn_norm_forward(s.x, p.attn_norm[l], s.ln, s.rstd)
-            k.q_proj_forward(s.ln, p.q_proj[l], s.q)
-            k.k_proj_forward(s.ln, p.k_proj[l], s.k_new)
-            k.v_proj_forward(s.ln, p.v_proj[l], s.v_new)
-            k.rope_forward(s.q4, self.cos, self.sin, position)
-            k.rope_forward(s.k_new4, self.cos, self.sin, position)
+            k.qkv_proj_forward(s.ln, p.qkv_proj[l], s.qkv)
+            k.rope_forward(s.qk4, self.cos, self.sin, position)
             s.k[l, :, position] = s.k_new4[:, 0]
             s.v[l, :, position] = s.v_new4[:, 0]
             k.attention_decode(s.q4, s.k[l], s.v[l], position + 1, s.y)
             k.o_proj_forward(s.y2, p.o_proj[l], s.o)
             k.residual_forward(s.x, s.o, s.x)
             k.mlp_norm_forward(s.x, p.mlp_norm[l], s.ln, s.rstd)
-            k.gate_proj_forward(s.ln, p.gate_proj[l], s.gate)
-            k.up_proj_forward(s.ln, p.up_proj[l], s.up)
-            k.swiglu_forward(s.gate, s.up, s.h)
+            k.gate_up_proj_forward(s.ln, p.gate_up_proj[l], s.gate_up)
+            k.swiglu_forward(s.gate_up, s.h)
             k.down_proj_forward(s.h, p.down_proj[l], s.o)
             k.residual_forward(s.x, s.o, s.x)
         k.final_norm_forward(s.x, p.final_norm, s.ln, s.rstd)
@@ -486,7 +481,6 @@ class DecodeCache:
     decoding step; `length` positions are filled."""
 
     def __init__(self, device, B, max_len):
-        Q, KV = N_HEADS * HEAD_DIM, N_KV_HEADS * HEAD_DIM
         zeros = device.zeros
         self.max_len, self.length = max_len, 0
         self.k = zeros((N_LAYERS, B, max_len, N_KV_HEADS, HEAD_DIM))
@@ -498,11 +492,10 @@ class DecodeCache:
             zeros((B, DIM)),
             zeros(B),
         )
-        self.q, self.k_new, self.v_new = zeros((B, Q)), zeros((B, KV)), zeros((B, KV))
-        self.q4 = self.q.reshape(B, 1, N_HEADS, HEAD_DIM)
-        self.k_new4 = self.k_new.reshape(B, 1, N_KV_HEADS, HEAD_DIM)
-        self.v_new4 = self.v_new.reshape(B, 1, N_KV_HEADS, HEAD_DIM)
-        self.y = zeros((B, 1, Q))
-        self.y2 = self.y.reshape(B, Q)
-        self.gate, self.up, self.h = (zeros((B, HIDDEN)) for _ in range(3))
+        qkv4 = zeros((B, 1, QKV_HEADS, HEAD_DIM))
+        self.qkv = qkv4.reshape(B, QKV_HEADS * HEAD_DIM)
+        self.q4, self.k_new4, self.v_new4, self.qk4 = split_qkv(qkv4)
+        self.y = zeros((B, 1, Q_DIM))
+        self.y2 = self.y.reshape(B, Q_DIM)
+        self.gate_up, self.h = zeros((B, 2 * HIDDEN)), zeros((B, HIDDEN))
         self.logits = zeros((B, VOCAB))

@@ -32,6 +32,9 @@ class Parameters:
     """Every parameter as a view into one flat buffer, so AdamW is a single pass over `flat`."""
 
     SIZE = 17226
+    # where each parameter sits in `flat`: checkpoints store the optimizer state as flat buffers
+    # and record this, so a state saved under another layout is refused rather than misapplied
+    LAYOUT = "fc1_weight(128,64) fc1_bias(128) fc2_weight(64,128) fc2_bias(64) fc3_weight(10,64) fc3_bias(10)"
 
     def __init__(self, flat):
         self.flat = flat

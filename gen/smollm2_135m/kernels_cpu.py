@@ -232,137 +232,25 @@ def attn_norm_backward(x, w, rstd, dy, dx, dw):
     attn_norm_backward_kernel(x, w, rstd, dy, dx, dw, ATTN_NORM_SCRATCH["partial"])
 
 
-# Linear layer q_proj: y = x @ w.T, in_features=576, out_features=576.
+# Linear layer qkv_proj: y = x @ w.T, in_features=576, out_features=960.
 # The products go through numpy's OpenBLAS: np.matmul on a transposed view passes the transpose
 # to BLAS as a flag, so no transposed copy is made and nothing is allocated (out=).
-Q_PROJ_IN_FEATURES = 576
-Q_PROJ_OUT_FEATURES = 576
+QKV_PROJ_IN_FEATURES = 576
+QKV_PROJ_OUT_FEATURES = 960
 
 
-def q_proj_forward(x, w, y):
-    # x is (N, 576), w is (576, 576), y is (N, 576)
+def qkv_proj_forward(x, w, y):
+    # x is (N, 576), w is (960, 576), y is (N, 960)
     np.matmul(x, w.T, out=y)
 
 
-def q_proj_backward(x, w, dy, dx, dw):
+def qkv_proj_backward(x, w, dy, dx, dw):
     # in the forward pass this was: y = x @ w.T
-    # dx and dw are overwritten. dy is (N, 576), dx like x, dw like w.
+    # dx and dw are overwritten. dy is (N, 960), dx like x, dw like w.
     # Lean law linear_weight_adjoint_input (linear_input_adjoint per row): dX = G W
     np.matmul(dy, w, out=dx)
     # Lean law linear_weight_adjoint_weight: dW = Gᵀ X
     np.matmul(dy.T, x, out=dw)
-
-
-# Linear layer k_proj: y = x @ w.T, in_features=576, out_features=192.
-# The products go through numpy's OpenBLAS: np.matmul on a transposed view passes the transpose
-# to BLAS as a flag, so no transposed copy is made and nothing is allocated (out=).
-K_PROJ_IN_FEATURES = 576
-K_PROJ_OUT_FEATURES = 192
-
-
-def k_proj_forward(x, w, y):
-    # x is (N, 576), w is (192, 576), y is (N, 192)
-    np.matmul(x, w.T, out=y)
-
-
-def k_proj_backward(x, w, dy, dx, dw):
-    # in the forward pass this was: y = x @ w.T
-    # dx and dw are overwritten. dy is (N, 192), dx like x, dw like w.
-    # Lean law linear_weight_adjoint_input (linear_input_adjoint per row): dX = G W
-    np.matmul(dy, w, out=dx)
-    # Lean law linear_weight_adjoint_weight: dW = Gᵀ X
-    np.matmul(dy.T, x, out=dw)
-
-
-# Linear layer v_proj: y = x @ w.T, in_features=576, out_features=192.
-# The products go through numpy's OpenBLAS: np.matmul on a transposed view passes the transpose
-# to BLAS as a flag, so no transposed copy is made and nothing is allocated (out=).
-V_PROJ_IN_FEATURES = 576
-V_PROJ_OUT_FEATURES = 192
-
-
-def v_proj_forward(x, w, y):
-    # x is (N, 576), w is (192, 576), y is (N, 192)
-    np.matmul(x, w.T, out=y)
-
-
-def v_proj_backward(x, w, dy, dx, dw):
-    # in the forward pass this was: y = x @ w.T
-    # dx and dw are overwritten. dy is (N, 192), dx like x, dw like w.
-    # Lean law linear_weight_adjoint_input (linear_input_adjoint per row): dX = G W
-    np.matmul(dy, w, out=dx)
-    # Lean law linear_weight_adjoint_weight: dW = Gᵀ X
-    np.matmul(dy.T, x, out=dw)
-
-
-# Rotary position embedding rope (Hugging Face Llama rotate_half form), head_dim=64,
-# theta=100000.0, max_seq_len=8192. With x1 = x[..., :hd/2], x2 = x[..., hd/2:]:
-#   out1 = x1 * cos - x2 * sin,  out2 = x2 * cos + x1 * sin
-ROPE_HEAD_DIM = 64
-ROPE_HALF = 32
-ROPE_THETA = 100000.0
-ROPE_MAX_SEQ_LEN = 8192
-
-
-def rope_tables(cos, sin):
-    # cos, sin are (8192, 32).
-    # float64 tables are computed in float64: a float64 model is the reference-precision one.
-    # float32 tables follow transformers' LlamaRotaryEmbedding, which computes in float32: inv_freq
-    # and the angles equal torch's bit for bit (float64 pow rounded to float32 is correctly rounded,
-    # as torch's float32 pow is); cos and sin are the correctly rounded float32 values, and torch's
-    # SLEEF float32 cos/sin (1 ulp) differ from them by at most 1 ulp on about 5% of the entries.
-    if cos.dtype == np.float64:
-        exponents = np.arange(0, 64, 2, dtype=np.int64).astype(np.float64) / 64
-        inv_freq = 1.0 / ROPE_THETA**exponents
-        freqs = np.arange(8192, dtype=np.int64).astype(np.float64)[:, None] * inv_freq[None, :]
-        cos[:] = np.cos(freqs)
-        sin[:] = np.sin(freqs)
-        return
-    exponents = np.arange(0, 64, 2, dtype=np.int64).astype(np.float32) / np.float32(64)
-    powers = (ROPE_THETA ** exponents.astype(np.float64)).astype(np.float32)
-    inv_freq = np.float32(1.0) / powers
-    positions = np.arange(8192, dtype=np.int64).astype(np.float32)
-    freqs = (positions[:, None] * inv_freq[None, :]).astype(np.float64)
-    cos[:] = np.cos(freqs).astype(np.float32)
-    sin[:] = np.sin(freqs).astype(np.float32)
-
-
-@njit(cache=True, parallel=True)
-def rope_forward(x, cos, sin, positions_offset):
-    # x is (B, T, H, 64), rotated in place; token t sits at position positions_offset + t.
-    # Lean law rotation_adjoint (forward side: a rotation of each (x1[i], x2[i]) pair)
-    n_batch, n_tokens, n_heads = x.shape[0], x.shape[1], x.shape[2]
-    if positions_offset + n_tokens > ROPE_MAX_SEQ_LEN:
-        raise ValueError("sequence longer than the rope tables' max_seq_len")
-    for bt in prange(n_batch * n_tokens):
-        b = bt // n_tokens
-        t = bt % n_tokens
-        pos = positions_offset + t
-        for h in range(n_heads):
-            for i in range(ROPE_HALF):
-                x1 = x[b, t, h, i]
-                x2 = x[b, t, h, i + ROPE_HALF]
-                x[b, t, h, i] = x1 * cos[pos, i] - x2 * sin[pos, i]
-                x[b, t, h, i + ROPE_HALF] = x2 * cos[pos, i] + x1 * sin[pos, i]
-
-
-@njit(cache=True, parallel=True)
-def rope_backward(dx, cos, sin):
-    # in the forward pass this was (positions 0..T-1):
-    #   out1 = x1 * cos - x2 * sin,  out2 = x2 * cos + x1 * sin
-    # so now we have the transposed rotation (sin -> -sin), in place on dx of shape (B, T, H, 64):
-    #   dx1 = d1 * cos + d2 * sin,  dx2 = d2 * cos - d1 * sin
-    # Lean law rotation_adjoint: the adjoint of a rotation is its transpose.
-    n_batch, n_tokens, n_heads = dx.shape[0], dx.shape[1], dx.shape[2]
-    for bt in prange(n_batch * n_tokens):
-        b = bt // n_tokens
-        t = bt % n_tokens
-        for h in range(n_heads):
-            for i in range(ROPE_HALF):
-                d1 = dx[b, t, h, i]
-                d2 = dx[b, t, h, i + ROPE_HALF]
-                dx[b, t, h, i] = d1 * cos[t, i] + d2 * sin[t, i]
-                dx[b, t, h, i + ROPE_HALF] = d2 * cos[t, i] - d1 * sin[t, i]
 
 
 # Causal grouped-query attention attention: n_heads=9, n_kv_heads=3, head_dim=64.
@@ -563,6 +451,76 @@ def o_proj_backward(x, w, dy, dx, dw):
     np.matmul(dy.T, x, out=dw)
 
 
+# Rotary position embedding rope (Hugging Face Llama rotate_half form), head_dim=64,
+# theta=100000.0, max_seq_len=8192. With x1 = x[..., :hd/2], x2 = x[..., hd/2:]:
+#   out1 = x1 * cos - x2 * sin,  out2 = x2 * cos + x1 * sin
+ROPE_HEAD_DIM = 64
+ROPE_HALF = 32
+ROPE_THETA = 100000.0
+ROPE_MAX_SEQ_LEN = 8192
+
+
+def rope_tables(cos, sin):
+    # cos, sin are (8192, 32).
+    # float64 tables are computed in float64: a float64 model is the reference-precision one.
+    # float32 tables follow transformers' LlamaRotaryEmbedding, which computes in float32: inv_freq
+    # and the angles equal torch's bit for bit (float64 pow rounded to float32 is correctly rounded,
+    # as torch's float32 pow is); cos and sin are the correctly rounded float32 values, and torch's
+    # SLEEF float32 cos/sin (1 ulp) differ from them by at most 1 ulp on about 5% of the entries.
+    if cos.dtype == np.float64:
+        exponents = np.arange(0, 64, 2, dtype=np.int64).astype(np.float64) / 64
+        inv_freq = 1.0 / ROPE_THETA**exponents
+        freqs = np.arange(8192, dtype=np.int64).astype(np.float64)[:, None] * inv_freq[None, :]
+        cos[:] = np.cos(freqs)
+        sin[:] = np.sin(freqs)
+        return
+    exponents = np.arange(0, 64, 2, dtype=np.int64).astype(np.float32) / np.float32(64)
+    powers = (ROPE_THETA ** exponents.astype(np.float64)).astype(np.float32)
+    inv_freq = np.float32(1.0) / powers
+    positions = np.arange(8192, dtype=np.int64).astype(np.float32)
+    freqs = (positions[:, None] * inv_freq[None, :]).astype(np.float64)
+    cos[:] = np.cos(freqs).astype(np.float32)
+    sin[:] = np.sin(freqs).astype(np.float32)
+
+
+@njit(cache=True, parallel=True)
+def rope_forward(x, cos, sin, positions_offset):
+    # x is (B, T, H, 64), rotated in place; token t sits at position positions_offset + t.
+    # Lean law rotation_adjoint (forward side: a rotation of each (x1[i], x2[i]) pair)
+    n_batch, n_tokens, n_heads = x.shape[0], x.shape[1], x.shape[2]
+    if positions_offset + n_tokens > ROPE_MAX_SEQ_LEN:
+        raise ValueError("sequence longer than the rope tables' max_seq_len")
+    for bt in prange(n_batch * n_tokens):
+        b = bt // n_tokens
+        t = bt % n_tokens
+        pos = positions_offset + t
+        for h in range(n_heads):
+            for i in range(ROPE_HALF):
+                x1 = x[b, t, h, i]
+                x2 = x[b, t, h, i + ROPE_HALF]
+                x[b, t, h, i] = x1 * cos[pos, i] - x2 * sin[pos, i]
+                x[b, t, h, i + ROPE_HALF] = x2 * cos[pos, i] + x1 * sin[pos, i]
+
+
+@njit(cache=True, parallel=True)
+def rope_backward(dx, cos, sin):
+    # in the forward pass this was (positions 0..T-1):
+    #   out1 = x1 * cos - x2 * sin,  out2 = x2 * cos + x1 * sin
+    # so now we have the transposed rotation (sin -> -sin), in place on dx of shape (B, T, H, 64):
+    #   dx1 = d1 * cos + d2 * sin,  dx2 = d2 * cos - d1 * sin
+    # Lean law rotation_adjoint: the adjoint of a rotation is its transpose.
+    n_batch, n_tokens, n_heads = dx.shape[0], dx.shape[1], dx.shape[2]
+    for bt in prange(n_batch * n_tokens):
+        b = bt // n_tokens
+        t = bt % n_tokens
+        for h in range(n_heads):
+            for i in range(ROPE_HALF):
+                d1 = dx[b, t, h, i]
+                d2 = dx[b, t, h, i + ROPE_HALF]
+                dx[b, t, h, i] = d1 * cos[t, i] + d2 * sin[t, i]
+                dx[b, t, h, i + ROPE_HALF] = d2 * cos[t, i] - d1 * sin[t, i]
+
+
 # Residual residual: out = x + r, element-wise on any shape.
 
 
@@ -658,83 +616,58 @@ def mlp_norm_backward(x, w, rstd, dy, dx, dw):
     mlp_norm_backward_kernel(x, w, rstd, dy, dx, dw, MLP_NORM_SCRATCH["partial"])
 
 
-# Linear layer gate_proj: y = x @ w.T, in_features=576, out_features=1536.
+# Linear layer gate_up_proj: y = x @ w.T, in_features=576, out_features=3072.
 # The products go through numpy's OpenBLAS: np.matmul on a transposed view passes the transpose
 # to BLAS as a flag, so no transposed copy is made and nothing is allocated (out=).
-GATE_PROJ_IN_FEATURES = 576
-GATE_PROJ_OUT_FEATURES = 1536
+GATE_UP_PROJ_IN_FEATURES = 576
+GATE_UP_PROJ_OUT_FEATURES = 3072
 
 
-def gate_proj_forward(x, w, y):
-    # x is (N, 576), w is (1536, 576), y is (N, 1536)
+def gate_up_proj_forward(x, w, y):
+    # x is (N, 576), w is (3072, 576), y is (N, 3072)
     np.matmul(x, w.T, out=y)
 
 
-def gate_proj_backward(x, w, dy, dx, dw):
+def gate_up_proj_backward(x, w, dy, dx, dw):
     # in the forward pass this was: y = x @ w.T
-    # dx and dw are overwritten. dy is (N, 1536), dx like x, dw like w.
+    # dx and dw are overwritten. dy is (N, 3072), dx like x, dw like w.
     # Lean law linear_weight_adjoint_input (linear_input_adjoint per row): dX = G W
     np.matmul(dy, w, out=dx)
     # Lean law linear_weight_adjoint_weight: dW = Gᵀ X
     np.matmul(dy.T, x, out=dw)
 
 
-# Linear layer up_proj: y = x @ w.T, in_features=576, out_features=1536.
-# The products go through numpy's OpenBLAS: np.matmul on a transposed view passes the transpose
-# to BLAS as a flag, so no transposed copy is made and nothing is allocated (out=).
-UP_PROJ_IN_FEATURES = 576
-UP_PROJ_OUT_FEATURES = 1536
-
-
-def up_proj_forward(x, w, y):
-    # x is (N, 576), w is (1536, 576), y is (N, 1536)
-    np.matmul(x, w.T, out=y)
-
-
-def up_proj_backward(x, w, dy, dx, dw):
-    # in the forward pass this was: y = x @ w.T
-    # dx and dw are overwritten. dy is (N, 1536), dx like x, dw like w.
-    # Lean law linear_weight_adjoint_input (linear_input_adjoint per row): dX = G W
-    np.matmul(dy, w, out=dx)
-    # Lean law linear_weight_adjoint_weight: dW = Gᵀ X
-    np.matmul(dy.T, x, out=dw)
-
-
-# SwiGLU element-wise part swiglu: h = silu(gate) * up, dim=576, hidden=1536.
-# (The gate, up and down projections are linear kernels.) silu(g) = g * sigmoid(g).
+# SwiGLU element-wise part swiglu: h = silu(gate) * up, dim=576, hidden=1536. The gate and up
+# projections are one linear layer whose output gate_up holds gate in columns :1536 and up in
+# columns 1536:; the down projection is a linear kernel. silu(g) = g * sigmoid(g).
 SWIGLU_HIDDEN = 1536
 
 
 @njit(cache=True, parallel=True)
-def swiglu_forward(gate, up, h):
-    # gate, up, h are (N, 1536)
-    g_flat = gate.reshape(gate.size)
-    u_flat = up.reshape(up.size)
-    h_flat = h.reshape(h.size)
-    for i in prange(g_flat.size):
-        g = g_flat[i]
-        h_flat[i] = g * sigmoid_vectorizable(g) * u_flat[i]
+def swiglu_forward(gate_up, h):
+    # gate_up is (N, 2 * 1536), h is (N, 1536)
+    for n in prange(h.shape[0]):
+        for i in range(SWIGLU_HIDDEN):
+            g = gate_up[n, i]
+            h[n, i] = g * sigmoid_vectorizable(g) * gate_up[n, SWIGLU_HIDDEN + i]
 
 
 @njit(cache=True, parallel=True)
-def swiglu_backward(gate, up, dh, dgate, dup):
+def swiglu_backward(gate_up, dh, dgate_up):
     # in the forward pass this was: h = silu(gate) * up
     # so now we have (Lean law hadamard_adjoint for the product):
     #   dup = dh * silu(gate),  dgate = dh * up * silu'(gate)
     # with silu'(g) = sig (1 + g (1 - sig)) = sig + silu - silu sig, sig = sigmoid(g) (written
     # without literals, which are float64 and would widen float32 arithmetic): no Lean law, numerics
-    # checked against PyTorch and finite differences. dgate and dup are overwritten; all buffers
-    # are (N, 1536).
-    g_flat = gate.reshape(gate.size)
-    u_flat = up.reshape(up.size)
-    dh_flat = dh.reshape(dh.size)
-    dg_flat = dgate.reshape(dgate.size)
-    du_flat = dup.reshape(dup.size)
-    for i in prange(g_flat.size):
-        sig = sigmoid_vectorizable(g_flat[i])
-        silu = g_flat[i] * sig
-        du_flat[i] = dh_flat[i] * silu
-        dg_flat[i] = dh_flat[i] * u_flat[i] * (sig + silu - silu * sig)
+    # checked against PyTorch and finite differences. dgate_up (like gate_up, (N, 2 * 1536)) is
+    # overwritten; dh is (N, 1536).
+    for n in prange(dh.shape[0]):
+        for i in range(SWIGLU_HIDDEN):
+            g = gate_up[n, i]
+            sig = sigmoid_vectorizable(g)
+            silu = g * sig
+            dgate_up[n, SWIGLU_HIDDEN + i] = dh[n, i] * silu
+            dgate_up[n, i] = dh[n, i] * gate_up[n, SWIGLU_HIDDEN + i] * (sig + silu - silu * sig)
 
 
 # Linear layer down_proj: y = x @ w.T, in_features=1536, out_features=576.

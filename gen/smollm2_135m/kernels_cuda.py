@@ -318,131 +318,24 @@ def attn_norm_backward(x, w, rstd, dy, dx, dw):
     attn_norm_backward_dw_kernel[(ATTN_NORM_DIM + 127) // 128, 128](x, rstd, dy, dw)
 
 
-# Linear layer q_proj (CUDA): y = x @ w.T, in_features=576, out_features=576.
+# Linear layer qkv_proj (CUDA): y = x @ w.T, in_features=576, out_features=960.
 # Products by the module's tiled matmul (`matmul`, rendered once from matmul.py.j2).
-Q_PROJ_IN_FEATURES = 576
-Q_PROJ_OUT_FEATURES = 576
+QKV_PROJ_IN_FEATURES = 576
+QKV_PROJ_OUT_FEATURES = 960
 
 
-def q_proj_forward(x, w, y):
-    # x is (N, 576), w is (576, 576), y is (N, 576)
+def qkv_proj_forward(x, w, y):
+    # x is (N, 576), w is (960, 576), y is (N, 960)
     matmul("nt", x, w, y)
 
 
-def q_proj_backward(x, w, dy, dx, dw):
+def qkv_proj_backward(x, w, dy, dx, dw):
     # in the forward pass this was: y = x @ w.T
-    # dx and dw are overwritten. dy is (N, 576), dx like x, dw like w.
+    # dx and dw are overwritten. dy is (N, 960), dx like x, dw like w.
     # Lean law linear_weight_adjoint_input (linear_input_adjoint per row): dX = G W
     matmul("nn", dy, w, dx)
     # Lean law linear_weight_adjoint_weight: dW = Gᵀ X
     matmul("tn", dy, x, dw)
-
-
-# Linear layer k_proj (CUDA): y = x @ w.T, in_features=576, out_features=192.
-# Products by the module's tiled matmul (`matmul`, rendered once from matmul.py.j2).
-K_PROJ_IN_FEATURES = 576
-K_PROJ_OUT_FEATURES = 192
-
-
-def k_proj_forward(x, w, y):
-    # x is (N, 576), w is (192, 576), y is (N, 192)
-    matmul("nt", x, w, y)
-
-
-def k_proj_backward(x, w, dy, dx, dw):
-    # in the forward pass this was: y = x @ w.T
-    # dx and dw are overwritten. dy is (N, 192), dx like x, dw like w.
-    # Lean law linear_weight_adjoint_input (linear_input_adjoint per row): dX = G W
-    matmul("nn", dy, w, dx)
-    # Lean law linear_weight_adjoint_weight: dW = Gᵀ X
-    matmul("tn", dy, x, dw)
-
-
-# Linear layer v_proj (CUDA): y = x @ w.T, in_features=576, out_features=192.
-# Products by the module's tiled matmul (`matmul`, rendered once from matmul.py.j2).
-V_PROJ_IN_FEATURES = 576
-V_PROJ_OUT_FEATURES = 192
-
-
-def v_proj_forward(x, w, y):
-    # x is (N, 576), w is (192, 576), y is (N, 192)
-    matmul("nt", x, w, y)
-
-
-def v_proj_backward(x, w, dy, dx, dw):
-    # in the forward pass this was: y = x @ w.T
-    # dx and dw are overwritten. dy is (N, 192), dx like x, dw like w.
-    # Lean law linear_weight_adjoint_input (linear_input_adjoint per row): dX = G W
-    matmul("nn", dy, w, dx)
-    # Lean law linear_weight_adjoint_weight: dW = Gᵀ X
-    matmul("tn", dy, x, dw)
-
-
-# Rotary position embedding rope (CUDA, Hugging Face Llama rotate_half form), head_dim=64,
-# theta=100000.0, max_seq_len=8192. out1 = x1 * cos - x2 * sin, out2 = x2 * cos + x1 * sin.
-ROPE_HEAD_DIM = 64
-ROPE_HALF = 32
-ROPE_THETA = 100000.0
-ROPE_MAX_SEQ_LEN = 8192
-
-
-def rope_tables(cos, sin):
-    # cos, sin are (8192, 32), device arrays filled on the host and copied.
-    # float64 tables are computed in float64: a float64 model is the reference-precision one.
-    # float32 tables follow transformers' LlamaRotaryEmbedding, which computes in float32: inv_freq
-    # and the angles equal torch's bit for bit (float64 pow rounded to float32 is correctly rounded,
-    # as torch's float32 pow is); cos and sin are the correctly rounded float32 values, and torch's
-    # SLEEF float32 cos/sin (1 ulp) differ from them by at most 1 ulp on about 5% of the entries.
-    if cos.dtype == np.float64:
-        exponents = np.arange(0, 64, 2, dtype=np.int64).astype(np.float64) / 64
-        inv_freq = 1.0 / ROPE_THETA**exponents
-        freqs = np.arange(8192, dtype=np.int64).astype(np.float64)[:, None] * inv_freq[None, :]
-        cos.copy_to_device(np.cos(freqs))
-        sin.copy_to_device(np.sin(freqs))
-        return
-    exponents = np.arange(0, 64, 2, dtype=np.int64).astype(np.float32) / np.float32(64)
-    powers = (ROPE_THETA ** exponents.astype(np.float64)).astype(np.float32)
-    inv_freq = np.float32(1.0) / powers
-    positions = np.arange(8192, dtype=np.int64).astype(np.float32)
-    freqs = (positions[:, None] * inv_freq[None, :]).astype(np.float64)
-    cos.copy_to_device(np.cos(freqs).astype(np.float32))
-    sin.copy_to_device(np.sin(freqs).astype(np.float32))
-
-
-@cuda.jit
-def rope_rotate_kernel(x, cos, sin, positions_offset, direction):
-    # one thread per (b, t, h, i) pair; direction 1 rotates forward, -1 by the transposed rotation
-    index = cuda.grid(1)
-    n_tokens, n_heads = x.shape[1], x.shape[2]
-    if index < x.shape[0] * n_tokens * n_heads * ROPE_HALF:
-        i = index % ROPE_HALF
-        h = (index // ROPE_HALF) % n_heads
-        t = (index // (ROPE_HALF * n_heads)) % n_tokens
-        b = index // (ROPE_HALF * n_heads * n_tokens)
-        pos = positions_offset + t
-        c = cos[pos, i]
-        s = sin[pos, i] * direction
-        x1 = x[b, t, h, i]
-        x2 = x[b, t, h, i + ROPE_HALF]
-        x[b, t, h, i] = x1 * c - x2 * s
-        x[b, t, h, i + ROPE_HALF] = x2 * c + x1 * s
-
-
-def rope_forward(x, cos, sin, positions_offset):
-    # x is (B, T, H, 64), rotated in place; token t sits at position positions_offset + t.
-    # Lean law rotation_adjoint (forward side: a rotation of each (x1[i], x2[i]) pair)
-    if positions_offset + x.shape[1] > ROPE_MAX_SEQ_LEN:
-        raise ValueError("sequence longer than the rope tables' max_seq_len")
-    pairs = x.shape[0] * x.shape[1] * x.shape[2] * ROPE_HALF
-    rope_rotate_kernel[(pairs + 255) // 256, 256](x, cos, sin, positions_offset, 1)
-
-
-def rope_backward(dx, cos, sin):
-    # in the forward pass this was: out1 = x1 * cos - x2 * sin, out2 = x2 * cos + x1 * sin
-    # so now we have the transposed rotation (sin -> -sin), in place on dx (B, T, H, 64).
-    # Lean law rotation_adjoint: the adjoint of a rotation is its transpose.
-    pairs = dx.shape[0] * dx.shape[1] * dx.shape[2] * ROPE_HALF
-    rope_rotate_kernel[(pairs + 255) // 256, 256](dx, cos, sin, 0, -1)
 
 
 # Causal grouped-query attention attention (CUDA): n_heads=9, n_kv_heads=3, head_dim=64.
@@ -648,6 +541,73 @@ def o_proj_backward(x, w, dy, dx, dw):
     matmul("tn", dy, x, dw)
 
 
+# Rotary position embedding rope (CUDA, Hugging Face Llama rotate_half form), head_dim=64,
+# theta=100000.0, max_seq_len=8192. out1 = x1 * cos - x2 * sin, out2 = x2 * cos + x1 * sin.
+ROPE_HEAD_DIM = 64
+ROPE_HALF = 32
+ROPE_THETA = 100000.0
+ROPE_MAX_SEQ_LEN = 8192
+
+
+def rope_tables(cos, sin):
+    # cos, sin are (8192, 32), device arrays filled on the host and copied.
+    # float64 tables are computed in float64: a float64 model is the reference-precision one.
+    # float32 tables follow transformers' LlamaRotaryEmbedding, which computes in float32: inv_freq
+    # and the angles equal torch's bit for bit (float64 pow rounded to float32 is correctly rounded,
+    # as torch's float32 pow is); cos and sin are the correctly rounded float32 values, and torch's
+    # SLEEF float32 cos/sin (1 ulp) differ from them by at most 1 ulp on about 5% of the entries.
+    if cos.dtype == np.float64:
+        exponents = np.arange(0, 64, 2, dtype=np.int64).astype(np.float64) / 64
+        inv_freq = 1.0 / ROPE_THETA**exponents
+        freqs = np.arange(8192, dtype=np.int64).astype(np.float64)[:, None] * inv_freq[None, :]
+        cos.copy_to_device(np.cos(freqs))
+        sin.copy_to_device(np.sin(freqs))
+        return
+    exponents = np.arange(0, 64, 2, dtype=np.int64).astype(np.float32) / np.float32(64)
+    powers = (ROPE_THETA ** exponents.astype(np.float64)).astype(np.float32)
+    inv_freq = np.float32(1.0) / powers
+    positions = np.arange(8192, dtype=np.int64).astype(np.float32)
+    freqs = (positions[:, None] * inv_freq[None, :]).astype(np.float64)
+    cos.copy_to_device(np.cos(freqs).astype(np.float32))
+    sin.copy_to_device(np.sin(freqs).astype(np.float32))
+
+
+@cuda.jit
+def rope_rotate_kernel(x, cos, sin, positions_offset, direction):
+    # one thread per (b, t, h, i) pair; direction 1 rotates forward, -1 by the transposed rotation
+    index = cuda.grid(1)
+    n_tokens, n_heads = x.shape[1], x.shape[2]
+    if index < x.shape[0] * n_tokens * n_heads * ROPE_HALF:
+        i = index % ROPE_HALF
+        h = (index // ROPE_HALF) % n_heads
+        t = (index // (ROPE_HALF * n_heads)) % n_tokens
+        b = index // (ROPE_HALF * n_heads * n_tokens)
+        pos = positions_offset + t
+        c = cos[pos, i]
+        s = sin[pos, i] * direction
+        x1 = x[b, t, h, i]
+        x2 = x[b, t, h, i + ROPE_HALF]
+        x[b, t, h, i] = x1 * c - x2 * s
+        x[b, t, h, i + ROPE_HALF] = x2 * c + x1 * s
+
+
+def rope_forward(x, cos, sin, positions_offset):
+    # x is (B, T, H, 64), rotated in place; token t sits at position positions_offset + t.
+    # Lean law rotation_adjoint (forward side: a rotation of each (x1[i], x2[i]) pair)
+    if positions_offset + x.shape[1] > ROPE_MAX_SEQ_LEN:
+        raise ValueError("sequence longer than the rope tables' max_seq_len")
+    pairs = x.shape[0] * x.shape[1] * x.shape[2] * ROPE_HALF
+    rope_rotate_kernel[(pairs + 255) // 256, 256](x, cos, sin, positions_offset, 1)
+
+
+def rope_backward(dx, cos, sin):
+    # in the forward pass this was: out1 = x1 * cos - x2 * sin, out2 = x2 * cos + x1 * sin
+    # so now we have the transposed rotation (sin -> -sin), in place on dx (B, T, H, 64).
+    # Lean law rotation_adjoint: the adjoint of a rotation is its transpose.
+    pairs = dx.shape[0] * dx.shape[1] * dx.shape[2] * ROPE_HALF
+    rope_rotate_kernel[(pairs + 255) // 256, 256](dx, cos, sin, 0, -1)
+
+
 # Residual residual (CUDA): out = x + r, element-wise on any shape.
 
 
@@ -759,83 +719,63 @@ def mlp_norm_backward(x, w, rstd, dy, dx, dw):
     mlp_norm_backward_dw_kernel[(MLP_NORM_DIM + 127) // 128, 128](x, rstd, dy, dw)
 
 
-# Linear layer gate_proj (CUDA): y = x @ w.T, in_features=576, out_features=1536.
+# Linear layer gate_up_proj (CUDA): y = x @ w.T, in_features=576, out_features=3072.
 # Products by the module's tiled matmul (`matmul`, rendered once from matmul.py.j2).
-GATE_PROJ_IN_FEATURES = 576
-GATE_PROJ_OUT_FEATURES = 1536
+GATE_UP_PROJ_IN_FEATURES = 576
+GATE_UP_PROJ_OUT_FEATURES = 3072
 
 
-def gate_proj_forward(x, w, y):
-    # x is (N, 576), w is (1536, 576), y is (N, 1536)
+def gate_up_proj_forward(x, w, y):
+    # x is (N, 576), w is (3072, 576), y is (N, 3072)
     matmul("nt", x, w, y)
 
 
-def gate_proj_backward(x, w, dy, dx, dw):
+def gate_up_proj_backward(x, w, dy, dx, dw):
     # in the forward pass this was: y = x @ w.T
-    # dx and dw are overwritten. dy is (N, 1536), dx like x, dw like w.
+    # dx and dw are overwritten. dy is (N, 3072), dx like x, dw like w.
     # Lean law linear_weight_adjoint_input (linear_input_adjoint per row): dX = G W
     matmul("nn", dy, w, dx)
     # Lean law linear_weight_adjoint_weight: dW = Gᵀ X
     matmul("tn", dy, x, dw)
 
 
-# Linear layer up_proj (CUDA): y = x @ w.T, in_features=576, out_features=1536.
-# Products by the module's tiled matmul (`matmul`, rendered once from matmul.py.j2).
-UP_PROJ_IN_FEATURES = 576
-UP_PROJ_OUT_FEATURES = 1536
-
-
-def up_proj_forward(x, w, y):
-    # x is (N, 576), w is (1536, 576), y is (N, 1536)
-    matmul("nt", x, w, y)
-
-
-def up_proj_backward(x, w, dy, dx, dw):
-    # in the forward pass this was: y = x @ w.T
-    # dx and dw are overwritten. dy is (N, 1536), dx like x, dw like w.
-    # Lean law linear_weight_adjoint_input (linear_input_adjoint per row): dX = G W
-    matmul("nn", dy, w, dx)
-    # Lean law linear_weight_adjoint_weight: dW = Gᵀ X
-    matmul("tn", dy, x, dw)
-
-
-# SwiGLU element-wise part swiglu (CUDA): h = silu(gate) * up, dim=576, hidden=1536.
+# SwiGLU element-wise part swiglu (CUDA): h = silu(gate) * up, dim=576, hidden=1536. gate_up
+# holds gate in columns :1536 and up in columns 1536: (the fused gate/up projection's output).
 SWIGLU_HIDDEN = 1536
 
 
 @cuda.jit
-def swiglu_forward_kernel(gate, up, h):
-    i = cuda.grid(1)
-    if i < gate.size:
-        g = gate[i]
-        h[i] = g / (1.0 + math.exp(-g)) * up[i]
+def swiglu_forward_kernel(gate_up, h):
+    index = cuda.grid(1)
+    if index < h.size:
+        n, i = index // SWIGLU_HIDDEN, index % SWIGLU_HIDDEN
+        g = gate_up[n, i]
+        h[n, i] = g / (1.0 + math.exp(-g)) * gate_up[n, SWIGLU_HIDDEN + i]
 
 
 @cuda.jit
-def swiglu_backward_kernel(gate, up, dh, dgate, dup):
-    i = cuda.grid(1)
-    if i < gate.size:
-        g = gate[i]
+def swiglu_backward_kernel(gate_up, dh, dgate_up):
+    index = cuda.grid(1)
+    if index < dh.size:
+        n, i = index // SWIGLU_HIDDEN, index % SWIGLU_HIDDEN
+        g = gate_up[n, i]
         sig = 1.0 / (1.0 + math.exp(-g))
-        dup[i] = dh[i] * (g * sig)
-        dgate[i] = dh[i] * up[i] * (sig * (1.0 + g * (1.0 - sig)))
+        dgate_up[n, SWIGLU_HIDDEN + i] = dh[n, i] * (g * sig)
+        dgate_up[n, i] = dh[n, i] * gate_up[n, SWIGLU_HIDDEN + i] * (sig * (1.0 + g * (1.0 - sig)))
 
 
-def swiglu_forward(gate, up, h):
-    # gate, up, h are (N, 1536)
-    n = gate.size
-    swiglu_forward_kernel[(n + 255) // 256, 256](gate.reshape(n), up.reshape(n), h.reshape(n))
+def swiglu_forward(gate_up, h):
+    # gate_up is (N, 2 * 1536), h is (N, 1536)
+    swiglu_forward_kernel[(h.size + 255) // 256, 256](gate_up, h)
 
 
-def swiglu_backward(gate, up, dh, dgate, dup):
+def swiglu_backward(gate_up, dh, dgate_up):
     # in the forward pass this was: h = silu(gate) * up
     # so now we have (Lean law hadamard_adjoint for the product):
     #   dup = dh * silu(gate),  dgate = dh * up * silu'(gate)
     # silu'(g) = sigmoid(g) * (1 + g * (1 - sigmoid(g))): no Lean law, numerics checked against
-    # PyTorch and finite differences. dgate and dup are overwritten.
-    n = gate.size
-    flat = [a.reshape(n) for a in (gate, up, dh, dgate, dup)]
-    swiglu_backward_kernel[(n + 255) // 256, 256](*flat)
+    # PyTorch and finite differences. dgate_up is overwritten.
+    swiglu_backward_kernel[(dh.size + 255) // 256, 256](gate_up, dh, dgate_up)
 
 
 # Linear layer down_proj (CUDA): y = x @ w.T, in_features=1536, out_features=576.

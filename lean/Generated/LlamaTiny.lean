@@ -41,42 +41,16 @@ theorem attn_norm_hadamard_adjoint (g a b : Vec 32) :
     dot g (hadamard a b) = dot (hadamard g b) a :=
   hadamard_adjoint g a b
 
--- q_proj: linear 32 -> 32
-theorem q_proj_linear_input_adjoint (W : Mat 32 32) (g : Vec 32) (v : Vec 32) :
+-- qkv_proj: linear 32 -> 64
+theorem qkv_proj_linear_input_adjoint (W : Mat 64 32) (g : Vec 64) (v : Vec 32) :
     dot g (matVec W v) = dot (matTVec W g) v :=
   linear_input_adjoint W g v
 
-theorem q_proj_linear_weight_adjoint_input {T : Nat} (G : Mat T 32) (X : Mat T 32) (W : Mat 32 32) :
+theorem qkv_proj_linear_weight_adjoint_input {T : Nat} (G : Mat T 64) (X : Mat T 32) (W : Mat 64 32) :
     frob G (matMul X (transpose W)) = frob (matMul G W) X :=
   linear_weight_adjoint_input G X W
 
-theorem q_proj_linear_weight_adjoint_weight {T : Nat} (G : Mat T 32) (X : Mat T 32) (W : Mat 32 32) :
-    frob G (matMul X (transpose W)) = frob (matMul (transpose G) X) W :=
-  linear_weight_adjoint_weight G X W
-
--- k_proj: linear 32 -> 16
-theorem k_proj_linear_input_adjoint (W : Mat 16 32) (g : Vec 16) (v : Vec 32) :
-    dot g (matVec W v) = dot (matTVec W g) v :=
-  linear_input_adjoint W g v
-
-theorem k_proj_linear_weight_adjoint_input {T : Nat} (G : Mat T 16) (X : Mat T 32) (W : Mat 16 32) :
-    frob G (matMul X (transpose W)) = frob (matMul G W) X :=
-  linear_weight_adjoint_input G X W
-
-theorem k_proj_linear_weight_adjoint_weight {T : Nat} (G : Mat T 16) (X : Mat T 32) (W : Mat 16 32) :
-    frob G (matMul X (transpose W)) = frob (matMul (transpose G) X) W :=
-  linear_weight_adjoint_weight G X W
-
--- v_proj: linear 32 -> 16
-theorem v_proj_linear_input_adjoint (W : Mat 16 32) (g : Vec 16) (v : Vec 32) :
-    dot g (matVec W v) = dot (matTVec W g) v :=
-  linear_input_adjoint W g v
-
-theorem v_proj_linear_weight_adjoint_input {T : Nat} (G : Mat T 16) (X : Mat T 32) (W : Mat 16 32) :
-    frob G (matMul X (transpose W)) = frob (matMul G W) X :=
-  linear_weight_adjoint_input G X W
-
-theorem v_proj_linear_weight_adjoint_weight {T : Nat} (G : Mat T 16) (X : Mat T 32) (W : Mat 16 32) :
+theorem qkv_proj_linear_weight_adjoint_weight {T : Nat} (G : Mat T 64) (X : Mat T 32) (W : Mat 64 32) :
     frob G (matMul X (transpose W)) = frob (matMul (transpose G) X) W :=
   linear_weight_adjoint_weight G X W
 
@@ -126,29 +100,16 @@ theorem mlp_norm_hadamard_adjoint (g a b : Vec 32) :
     dot g (hadamard a b) = dot (hadamard g b) a :=
   hadamard_adjoint g a b
 
--- gate_proj: linear 32 -> 64
-theorem gate_proj_linear_input_adjoint (W : Mat 64 32) (g : Vec 64) (v : Vec 32) :
+-- gate_up_proj: linear 32 -> 128
+theorem gate_up_proj_linear_input_adjoint (W : Mat 128 32) (g : Vec 128) (v : Vec 32) :
     dot g (matVec W v) = dot (matTVec W g) v :=
   linear_input_adjoint W g v
 
-theorem gate_proj_linear_weight_adjoint_input {T : Nat} (G : Mat T 64) (X : Mat T 32) (W : Mat 64 32) :
+theorem gate_up_proj_linear_weight_adjoint_input {T : Nat} (G : Mat T 128) (X : Mat T 32) (W : Mat 128 32) :
     frob G (matMul X (transpose W)) = frob (matMul G W) X :=
   linear_weight_adjoint_input G X W
 
-theorem gate_proj_linear_weight_adjoint_weight {T : Nat} (G : Mat T 64) (X : Mat T 32) (W : Mat 64 32) :
-    frob G (matMul X (transpose W)) = frob (matMul (transpose G) X) W :=
-  linear_weight_adjoint_weight G X W
-
--- up_proj: linear 32 -> 64
-theorem up_proj_linear_input_adjoint (W : Mat 64 32) (g : Vec 64) (v : Vec 32) :
-    dot g (matVec W v) = dot (matTVec W g) v :=
-  linear_input_adjoint W g v
-
-theorem up_proj_linear_weight_adjoint_input {T : Nat} (G : Mat T 64) (X : Mat T 32) (W : Mat 64 32) :
-    frob G (matMul X (transpose W)) = frob (matMul G W) X :=
-  linear_weight_adjoint_input G X W
-
-theorem up_proj_linear_weight_adjoint_weight {T : Nat} (G : Mat T 64) (X : Mat T 32) (W : Mat 64 32) :
+theorem gate_up_proj_linear_weight_adjoint_weight {T : Nat} (G : Mat T 128) (X : Mat T 32) (W : Mat 128 32) :
     frob G (matMul X (transpose W)) = frob (matMul (transpose G) X) W :=
   linear_weight_adjoint_weight G X W
 

@@ -41,42 +41,16 @@ theorem attn_norm_hadamard_adjoint (g a b : Vec 576) :
     dot g (hadamard a b) = dot (hadamard g b) a :=
   hadamard_adjoint g a b
 
--- q_proj: linear 576 -> 576
-theorem q_proj_linear_input_adjoint (W : Mat 576 576) (g : Vec 576) (v : Vec 576) :
+-- qkv_proj: linear 576 -> 960
+theorem qkv_proj_linear_input_adjoint (W : Mat 960 576) (g : Vec 960) (v : Vec 576) :
     dot g (matVec W v) = dot (matTVec W g) v :=
   linear_input_adjoint W g v
 
-theorem q_proj_linear_weight_adjoint_input {T : Nat} (G : Mat T 576) (X : Mat T 576) (W : Mat 576 576) :
+theorem qkv_proj_linear_weight_adjoint_input {T : Nat} (G : Mat T 960) (X : Mat T 576) (W : Mat 960 576) :
     frob G (matMul X (transpose W)) = frob (matMul G W) X :=
   linear_weight_adjoint_input G X W
 
-theorem q_proj_linear_weight_adjoint_weight {T : Nat} (G : Mat T 576) (X : Mat T 576) (W : Mat 576 576) :
-    frob G (matMul X (transpose W)) = frob (matMul (transpose G) X) W :=
-  linear_weight_adjoint_weight G X W
-
--- k_proj: linear 576 -> 192
-theorem k_proj_linear_input_adjoint (W : Mat 192 576) (g : Vec 192) (v : Vec 576) :
-    dot g (matVec W v) = dot (matTVec W g) v :=
-  linear_input_adjoint W g v
-
-theorem k_proj_linear_weight_adjoint_input {T : Nat} (G : Mat T 192) (X : Mat T 576) (W : Mat 192 576) :
-    frob G (matMul X (transpose W)) = frob (matMul G W) X :=
-  linear_weight_adjoint_input G X W
-
-theorem k_proj_linear_weight_adjoint_weight {T : Nat} (G : Mat T 192) (X : Mat T 576) (W : Mat 192 576) :
-    frob G (matMul X (transpose W)) = frob (matMul (transpose G) X) W :=
-  linear_weight_adjoint_weight G X W
-
--- v_proj: linear 576 -> 192
-theorem v_proj_linear_input_adjoint (W : Mat 192 576) (g : Vec 192) (v : Vec 576) :
-    dot g (matVec W v) = dot (matTVec W g) v :=
-  linear_input_adjoint W g v
-
-theorem v_proj_linear_weight_adjoint_input {T : Nat} (G : Mat T 192) (X : Mat T 576) (W : Mat 192 576) :
-    frob G (matMul X (transpose W)) = frob (matMul G W) X :=
-  linear_weight_adjoint_input G X W
-
-theorem v_proj_linear_weight_adjoint_weight {T : Nat} (G : Mat T 192) (X : Mat T 576) (W : Mat 192 576) :
+theorem qkv_proj_linear_weight_adjoint_weight {T : Nat} (G : Mat T 960) (X : Mat T 576) (W : Mat 960 576) :
     frob G (matMul X (transpose W)) = frob (matMul (transpose G) X) W :=
   linear_weight_adjoint_weight G X W
 
@@ -126,29 +100,16 @@ theorem mlp_norm_hadamard_adjoint (g a b : Vec 576) :
     dot g (hadamard a b) = dot (hadamard g b) a :=
   hadamard_adjoint g a b
 
--- gate_proj: linear 576 -> 1536
-theorem gate_proj_linear_input_adjoint (W : Mat 1536 576) (g : Vec 1536) (v : Vec 576) :
+-- gate_up_proj: linear 576 -> 3072
+theorem gate_up_proj_linear_input_adjoint (W : Mat 3072 576) (g : Vec 3072) (v : Vec 576) :
     dot g (matVec W v) = dot (matTVec W g) v :=
   linear_input_adjoint W g v
 
-theorem gate_proj_linear_weight_adjoint_input {T : Nat} (G : Mat T 1536) (X : Mat T 576) (W : Mat 1536 576) :
+theorem gate_up_proj_linear_weight_adjoint_input {T : Nat} (G : Mat T 3072) (X : Mat T 576) (W : Mat 3072 576) :
     frob G (matMul X (transpose W)) = frob (matMul G W) X :=
   linear_weight_adjoint_input G X W
 
-theorem gate_proj_linear_weight_adjoint_weight {T : Nat} (G : Mat T 1536) (X : Mat T 576) (W : Mat 1536 576) :
-    frob G (matMul X (transpose W)) = frob (matMul (transpose G) X) W :=
-  linear_weight_adjoint_weight G X W
-
--- up_proj: linear 576 -> 1536
-theorem up_proj_linear_input_adjoint (W : Mat 1536 576) (g : Vec 1536) (v : Vec 576) :
-    dot g (matVec W v) = dot (matTVec W g) v :=
-  linear_input_adjoint W g v
-
-theorem up_proj_linear_weight_adjoint_input {T : Nat} (G : Mat T 1536) (X : Mat T 576) (W : Mat 1536 576) :
-    frob G (matMul X (transpose W)) = frob (matMul G W) X :=
-  linear_weight_adjoint_input G X W
-
-theorem up_proj_linear_weight_adjoint_weight {T : Nat} (G : Mat T 1536) (X : Mat T 576) (W : Mat 1536 576) :
+theorem gate_up_proj_linear_weight_adjoint_weight {T : Nat} (G : Mat T 3072) (X : Mat T 576) (W : Mat 3072 576) :
     frob G (matMul X (transpose W)) = frob (matMul (transpose G) X) W :=
   linear_weight_adjoint_weight G X W
 

@@ -129,9 +129,8 @@ def decoder_skeleton(spec: DecoderModel) -> tuple[str, list[Instance]]:
     instances = [Instance("embed", "embedding_adjoint", {"V": vocab, "D": dim},
                           f"embed: gather rows of a {vocab} x {dim} table")]
     instances.append(gain_instance("attn_norm", dim, "the RMSNorm weight, an element-wise gain"))
-    instances += linear_instances("q_proj", dim, q_dim)
-    instances += linear_instances("k_proj", dim, kv_dim)
-    instances += linear_instances("v_proj", dim, kv_dim)
+    # q, k and v are one linear layer (weights stacked as rows), as the kernels compute them
+    instances += linear_instances("qkv_proj", dim, q_dim + 2 * kv_dim)
     if attention.rope is not None:
         instances.append(Instance("rope", "rotation_adjoint", {"n": attention.head_dim // 2},
                                   f"rope: rotation of the two halves of a {attention.head_dim}-dim head"))
@@ -147,8 +146,7 @@ def decoder_skeleton(spec: DecoderModel) -> tuple[str, list[Instance]]:
     instances += linear_instances("o_proj", q_dim, dim)
     instances.append(Instance("attn_residual", "residual_adjoint", {"n": dim}, "attention residual"))
     instances.append(gain_instance("mlp_norm", dim, "the RMSNorm weight, an element-wise gain"))
-    instances += linear_instances("gate_proj", dim, hidden)
-    instances += linear_instances("up_proj", dim, hidden)
+    instances += linear_instances("gate_up_proj", dim, 2 * hidden)
     instances.append(gain_instance("swiglu", hidden, "silu(gate) ⊙ up: the gate product"))
     instances += linear_instances("down_proj", hidden, dim)
     instances.append(Instance("mlp_residual", "residual_adjoint", {"n": dim}, "MLP residual"))

@@ -6,7 +6,9 @@ statements in reverse order, so the generated backward pass is the reversed comp
 forward one by construction (the Lean law `compose_adjoint`).
 
 A fan-out (one value read by two consumers) is an op of its own: its forward is nothing and its
-backward sums the consumers' gradients (the Lean law `residual_adjoint`).
+backward sums the consumers' gradients (the Lean law `residual_adjoint`). Projections that read the
+same input are one linear layer with their weights stacked as rows (q/k/v, gate/up): its adjoint
+sums the parts' input gradients inside one matrix product, so they need no fan-out op.
 """
 
 from __future__ import annotations
@@ -98,16 +100,13 @@ def decoder_plan(spec: DecoderModel) -> Plan:
     kernel_blocks = [
         ("embedding", {"p": "embed", "vocab_size": vocab, "dim": dim}),
         norm_block("attn_norm", block.attn_norm),
-        linear_block("q_proj", dim, q_dim),
-        linear_block("k_proj", dim, kv_dim),
-        linear_block("v_proj", dim, kv_dim),
+        linear_block("qkv_proj", dim, q_dim + 2 * kv_dim),
         ("attention", {"p": "attention", "n_heads": attention.n_heads,
                        "n_kv_heads": attention.n_kv_heads, "head_dim": attention.head_dim}),
         linear_block("o_proj", q_dim, dim),
         ("residual", {"p": "residual"}),
         norm_block("mlp_norm", block.mlp_norm),
-        linear_block("gate_proj", dim, mlp.hidden),
-        linear_block("up_proj", dim, mlp.hidden),
+        linear_block("gate_up_proj", dim, 2 * mlp.hidden),
         ("swiglu", {"p": "swiglu", "dim": dim, "hidden": mlp.hidden}),
         linear_block("down_proj", mlp.hidden, dim),
         norm_block("final_norm", spec.final_norm),
@@ -123,13 +122,10 @@ def decoder_plan(spec: DecoderModel) -> Plan:
     params = [
         Param("embed", (vocab, dim)),
         Param("attn_norm", (dim,), True),
-        Param("q_proj", (q_dim, dim), True),
-        Param("k_proj", (kv_dim, dim), True),
-        Param("v_proj", (kv_dim, dim), True),
+        Param("qkv_proj", (q_dim + 2 * kv_dim, dim), True),  # q, k, v weights stacked as rows
         Param("o_proj", (dim, q_dim), True),
         Param("mlp_norm", (dim,), True),
-        Param("gate_proj", (mlp.hidden, dim), True),
-        Param("up_proj", (mlp.hidden, dim), True),
+        Param("gate_up_proj", (2 * mlp.hidden, dim), True),  # gate, up weights stacked as rows
         Param("down_proj", (dim, mlp.hidden), True),
         Param("final_norm", (dim,)),
     ]
@@ -150,10 +146,9 @@ def decoder_plan(spec: DecoderModel) -> Plan:
 
     rope_forward = rope_backward = ()
     if attention.rope is not None:
-        rope_forward = ("k.rope_forward(s.q4[l], self.cos, self.sin, 0)",
-                        "k.rope_forward(s.k4[l], self.cos, self.sin, 0)")
-        rope_backward = ("k.rope_backward(g.dq4, self.cos, self.sin)",
-                         "k.rope_backward(g.dk4, self.cos, self.sin)")
+        # q and k heads are adjacent in the fused projection's output: one call rotates both
+        rope_forward = ("k.rope_forward(s.qk4[l], self.cos, self.sin, 0)",)
+        rope_backward = ("k.rope_backward(g.dqk4, self.cos, self.sin)",)
     residual = KIND_LAWS["residual"]
     block_ops = [
         Op("attn_fanout", (), ("k.residual_backward(g.dnorm_in, g.dx)",), residual),
@@ -161,11 +156,8 @@ def decoder_plan(spec: DecoderModel) -> Plan:
            ("k.attn_norm_forward(s.x[l], p.attn_norm[l], s.ln1[l], s.rstd1[l])",),
            ("k.attn_norm_backward(s.x[l], p.attn_norm[l], s.rstd1[l], g.dln, g.dnorm_in, "
             "gr.attn_norm[l])",)),
-        Op("qkv_fanout", (), ("k.residual_forward(g.dln_q, g.dln_k, g.dln)",
-                              "k.residual_backward(g.dln_v, g.dln)"), residual),
-        linear_op("q_proj", "s.ln1[l]", "p.q_proj[l]", "s.q[l]", "g.dq", "g.dln_q", "gr.q_proj[l]"),
-        linear_op("k_proj", "s.ln1[l]", "p.k_proj[l]", "s.k[l]", "g.dk", "g.dln_k", "gr.k_proj[l]"),
-        linear_op("v_proj", "s.ln1[l]", "p.v_proj[l]", "s.v[l]", "g.dv", "g.dln_v", "gr.v_proj[l]"),
+        linear_op("qkv_proj", "s.ln1[l]", "p.qkv_proj[l]", "s.qkv[l]", "g.dqkv", "g.dln",
+                  "gr.qkv_proj[l]"),
     ]
     if rope_forward:
         block_ops.append(Op("rope", rope_forward, rope_backward, KIND_LAWS["rope"]))
@@ -182,14 +174,11 @@ def decoder_plan(spec: DecoderModel) -> Plan:
            ("k.mlp_norm_forward(s.xm[l], p.mlp_norm[l], s.ln2[l], s.rstd2[l])",),
            ("k.mlp_norm_backward(s.xm[l], p.mlp_norm[l], s.rstd2[l], g.dln, g.dnorm_in, "
             "gr.mlp_norm[l])",)),
-        Op("gate_up_fanout", (), ("k.residual_forward(g.dln_gate, g.dln_up, g.dln)",), residual),
-        linear_op("gate_proj", "s.ln2[l]", "p.gate_proj[l]", "s.gate[l]", "g.dgate", "g.dln_gate",
-                  "gr.gate_proj[l]"),
-        linear_op("up_proj", "s.ln2[l]", "p.up_proj[l]", "s.up[l]", "g.dup", "g.dln_up",
-                  "gr.up_proj[l]"),
+        linear_op("gate_up_proj", "s.ln2[l]", "p.gate_up_proj[l]", "s.gate_up[l]", "g.dgate_up",
+                  "g.dln", "gr.gate_up_proj[l]"),
         Op("swiglu",
-           ("k.swiglu_forward(s.gate[l], s.up[l], s.h[l])",),
-           ("k.swiglu_backward(s.gate[l], s.up[l], g.dh, g.dgate, g.dup)",),
+           ("k.swiglu_forward(s.gate_up[l], s.h[l])",),
+           ("k.swiglu_backward(s.gate_up[l], g.dh, g.dgate_up)",),
            KIND_LAWS["swiglu"]),
         linear_op("down_proj", "s.h[l]", "p.down_proj[l]", "s.down", "g.dx", "g.dh",
                   "gr.down_proj[l]"),

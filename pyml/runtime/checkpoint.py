@@ -2,8 +2,8 @@
 
 `out/step_000200/` holds model.safetensors (the weights, under the model's own tensor names),
 optimizer.safetensors (AdamW's exp_avg and exp_avg_sq as flat 1-D tensors) and state.json (the
-step, the optimizer's step count, the data position and generator state, the losses so far and the
-run's configuration). A checkpoint is written into a hidden temporary folder and renamed into
+step, the optimizer's step count, the parameter layout those flat tensors follow, the data position
+and generator state, the losses so far and the run's configuration). A checkpoint is written into a hidden temporary folder and renamed into
 place, so any `step_*` folder is complete; the latest is the one with the highest step. Older ones
 are deleted only after a newer one is in place, so a crash never leaves a run without one.
 """
@@ -68,7 +68,9 @@ def save_checkpoint(out: Path, model, optimizer, state: dict) -> Path:
                 {name: np.ascontiguousarray(optimizer_state[name]) for name in OPTIMIZER_TENSORS},
             )
             write_json(
-                temporary / STATE_FILE, {**state, "optimizer_step_count": optimizer.step_count}
+                temporary / STATE_FILE,
+                {**state, "optimizer_step_count": optimizer.step_count,
+                 "parameter_layout": model.params.LAYOUT},
             )
             _fsync_directory(temporary)
             os.replace(temporary, final)
@@ -97,6 +99,12 @@ def load_checkpoint(checkpoint: Path, model, optimizer) -> dict:
     checkpoint = Path(checkpoint)
     state = read_state(checkpoint)
     model.load_tensors(read_safetensors(checkpoint / MODEL_FILE), str(checkpoint / MODEL_FILE))
+    if state.get("parameter_layout") != model.params.LAYOUT:
+        raise PymlError(
+            f"{checkpoint}: its optimizer state is laid out for other parameters "
+            f"({state.get('parameter_layout', 'a layout older pyml did not record')}; this model: "
+            f"{model.params.LAYOUT}); start a new run from its {MODEL_FILE} instead"
+        )
     tensors = read_safetensors(checkpoint / OPTIMIZER_FILE)
     expected_shape = (model.params.flat.shape[0],)
     for name in OPTIMIZER_TENSORS:
