@@ -90,6 +90,11 @@ def test_rmsnorm(cpu, gpu):
             cpu.norm_backward, gpu.norm_backward, x, w, rstd, dy, np.zeros((3, D)), np.zeros(D)
         )[:2]
     )
+    stream, r = rand(rng, 3, D), rand(rng, 3, D)
+    same(*run_both(cpu.norm_backward_add, gpu.norm_backward_add, x, w, rstd, dy, stream,
+                   np.zeros(D))[:2])
+    same(*run_both(cpu.norm_forward_residual, gpu.norm_forward_residual, x, r, np.zeros((3, D)),
+                   w, np.zeros((3, D)), np.zeros(3))[:2])
 
 
 def test_rope(cpu, gpu):

@@ -145,6 +145,14 @@ def test_rmsnorm(k, dtype, n):
     k.norm_forward(x + r, w, y, rstd)
     np.testing.assert_array_equal(y2, y)
     np.testing.assert_array_equal(rstd2, rstd)
+    # the accumulating backward adds the input gradient into what dx holds (rounding the sum once),
+    # and writes dw
+    k.norm_forward(x, w, y, rstd)
+    stream = rand(rng, (n, D), dtype)
+    dx_added, dw_added = stream.copy(), np.full_like(w, np.nan)
+    k.norm_backward_add(x, w, rstd, dy, dx_added, dw_added)
+    close(dx_added, stream + dx, dtype, "rmsnorm")
+    np.testing.assert_array_equal(dw_added, dw)
 
 
 def hf_rope(dtype):

@@ -198,13 +198,16 @@ def attn_norm_forward_residual(x, r, x_out, w, y, rstd):
 
 
 @njit(cache=True, parallel=True)
-def attn_norm_backward_kernel(x, w, rstd, dy, dx, dw, partial):
+def attn_norm_backward_kernel(x, w, rstd, dy, dx, dw, partial, accumulate):
     n_rows = x.shape[0]
     for n in prange(n_rows):
         r = np.float64(rstd[n])
         c = r * r * r * weighted_dot_float64(dy[n], x[n], w) / ATTN_NORM_DIM
         for i in range(ATTN_NORM_DIM):
-            dx[n, i] = r * w[i] * dy[n, i] - c * x[n, i]
+            if accumulate:
+                dx[n, i] += r * w[i] * dy[n, i] - c * x[n, i]
+            else:
+                dx[n, i] = r * w[i] * dy[n, i] - c * x[n, i]
     rows_per_chunk = (n_rows + ATTN_NORM_ROW_CHUNKS - 1) // ATTN_NORM_ROW_CHUNKS
     for chunk in prange(ATTN_NORM_ROW_CHUNKS):
         acc = partial[chunk]
@@ -227,9 +230,19 @@ def attn_norm_backward(x, w, rstd, dy, dx, dw):
     #   dx[n, i] = rstd[n] * w[i] * dy[n, i] - rstd[n]³ / D * x[n, i] * sum_j dy[n, j] w[j] x[n, j]
     #   dw[i] = sum_n dy[n, i] * x[n, i] * rstd[n]
     # dx and dw are overwritten.
+    attn_norm_backward_kernel(x, w, rstd, dy, dx, dw, attn_norm_partial(), False)
+
+
+def attn_norm_backward_add(x, w, rstd, dy, dx, dw):
+    # as attn_norm_backward, but the input gradient is added into dx: the norm's input also carries on
+    # along the residual stream (a fan-out, Lean law residual_adjoint), whose gradient dx holds
+    attn_norm_backward_kernel(x, w, rstd, dy, dx, dw, attn_norm_partial(), True)
+
+
+def attn_norm_partial():
     if "partial" not in ATTN_NORM_SCRATCH:
         ATTN_NORM_SCRATCH["partial"] = np.empty((ATTN_NORM_ROW_CHUNKS, ATTN_NORM_DIM))
-    attn_norm_backward_kernel(x, w, rstd, dy, dx, dw, ATTN_NORM_SCRATCH["partial"])
+    return ATTN_NORM_SCRATCH["partial"]
 
 
 # Linear layer qkv_proj: y = x @ w.T, in_features=32, out_features=64.
@@ -582,13 +595,16 @@ def mlp_norm_forward_residual(x, r, x_out, w, y, rstd):
 
 
 @njit(cache=True, parallel=True)
-def mlp_norm_backward_kernel(x, w, rstd, dy, dx, dw, partial):
+def mlp_norm_backward_kernel(x, w, rstd, dy, dx, dw, partial, accumulate):
     n_rows = x.shape[0]
     for n in prange(n_rows):
         r = np.float64(rstd[n])
         c = r * r * r * weighted_dot_float64(dy[n], x[n], w) / MLP_NORM_DIM
         for i in range(MLP_NORM_DIM):
-            dx[n, i] = r * w[i] * dy[n, i] - c * x[n, i]
+            if accumulate:
+                dx[n, i] += r * w[i] * dy[n, i] - c * x[n, i]
+            else:
+                dx[n, i] = r * w[i] * dy[n, i] - c * x[n, i]
     rows_per_chunk = (n_rows + MLP_NORM_ROW_CHUNKS - 1) // MLP_NORM_ROW_CHUNKS
     for chunk in prange(MLP_NORM_ROW_CHUNKS):
         acc = partial[chunk]
@@ -611,9 +627,19 @@ def mlp_norm_backward(x, w, rstd, dy, dx, dw):
     #   dx[n, i] = rstd[n] * w[i] * dy[n, i] - rstd[n]³ / D * x[n, i] * sum_j dy[n, j] w[j] x[n, j]
     #   dw[i] = sum_n dy[n, i] * x[n, i] * rstd[n]
     # dx and dw are overwritten.
+    mlp_norm_backward_kernel(x, w, rstd, dy, dx, dw, mlp_norm_partial(), False)
+
+
+def mlp_norm_backward_add(x, w, rstd, dy, dx, dw):
+    # as mlp_norm_backward, but the input gradient is added into dx: the norm's input also carries on
+    # along the residual stream (a fan-out, Lean law residual_adjoint), whose gradient dx holds
+    mlp_norm_backward_kernel(x, w, rstd, dy, dx, dw, mlp_norm_partial(), True)
+
+
+def mlp_norm_partial():
     if "partial" not in MLP_NORM_SCRATCH:
         MLP_NORM_SCRATCH["partial"] = np.empty((MLP_NORM_ROW_CHUNKS, MLP_NORM_DIM))
-    mlp_norm_backward_kernel(x, w, rstd, dy, dx, dw, MLP_NORM_SCRATCH["partial"])
+    return MLP_NORM_SCRATCH["partial"]
 
 
 # Linear layer gate_up_proj: y = x @ w.T, in_features=32, out_features=128.
@@ -728,13 +754,16 @@ def final_norm_forward_residual(x, r, x_out, w, y, rstd):
 
 
 @njit(cache=True, parallel=True)
-def final_norm_backward_kernel(x, w, rstd, dy, dx, dw, partial):
+def final_norm_backward_kernel(x, w, rstd, dy, dx, dw, partial, accumulate):
     n_rows = x.shape[0]
     for n in prange(n_rows):
         r = np.float64(rstd[n])
         c = r * r * r * weighted_dot_float64(dy[n], x[n], w) / FINAL_NORM_DIM
         for i in range(FINAL_NORM_DIM):
-            dx[n, i] = r * w[i] * dy[n, i] - c * x[n, i]
+            if accumulate:
+                dx[n, i] += r * w[i] * dy[n, i] - c * x[n, i]
+            else:
+                dx[n, i] = r * w[i] * dy[n, i] - c * x[n, i]
     rows_per_chunk = (n_rows + FINAL_NORM_ROW_CHUNKS - 1) // FINAL_NORM_ROW_CHUNKS
     for chunk in prange(FINAL_NORM_ROW_CHUNKS):
         acc = partial[chunk]
@@ -757,9 +786,19 @@ def final_norm_backward(x, w, rstd, dy, dx, dw):
     #   dx[n, i] = rstd[n] * w[i] * dy[n, i] - rstd[n]³ / D * x[n, i] * sum_j dy[n, j] w[j] x[n, j]
     #   dw[i] = sum_n dy[n, i] * x[n, i] * rstd[n]
     # dx and dw are overwritten.
+    final_norm_backward_kernel(x, w, rstd, dy, dx, dw, final_norm_partial(), False)
+
+
+def final_norm_backward_add(x, w, rstd, dy, dx, dw):
+    # as final_norm_backward, but the input gradient is added into dx: the norm's input also carries on
+    # along the residual stream (a fan-out, Lean law residual_adjoint), whose gradient dx holds
+    final_norm_backward_kernel(x, w, rstd, dy, dx, dw, final_norm_partial(), True)
+
+
+def final_norm_partial():
     if "partial" not in FINAL_NORM_SCRATCH:
         FINAL_NORM_SCRATCH["partial"] = np.empty((FINAL_NORM_ROW_CHUNKS, FINAL_NORM_DIM))
-    final_norm_backward_kernel(x, w, rstd, dy, dx, dw, FINAL_NORM_SCRATCH["partial"])
+    return FINAL_NORM_SCRATCH["partial"]
 
 
 # Linear layer lm_head: y = x @ w.T, in_features=32, out_features=96.

@@ -281,7 +281,25 @@ def attn_norm_forward_kernel(x, w, y, rstd):
 
 
 @cuda.jit
-def attn_norm_backward_dx_kernel(x, w, rstd, dy, dx):
+def attn_norm_forward_residual_kernel(x, r, x_out, w, y, rstd):
+    # each thread reads x and r and writes x_out at its own columns, so x_out may alias x
+    partial = cuda.shared.array(ATTN_NORM_THREADS, np.float64)
+    n = cuda.blockIdx.x
+    sum_sq = 0.0
+    for i in range(cuda.threadIdx.x, ATTN_NORM_DIM, ATTN_NORM_THREADS):
+        x_out[n, i] = x[n, i] + r[n, i]
+        sum_sq += np.float64(x_out[n, i]) * np.float64(x_out[n, i])
+    sum_sq = attn_norm_block_sum(partial, sum_sq)
+    if cuda.threadIdx.x == 0:
+        rstd[n] = 1.0 / math.sqrt(sum_sq / ATTN_NORM_DIM + ATTN_NORM_EPS)
+    cuda.syncthreads()
+    s = rstd[n]
+    for i in range(cuda.threadIdx.x, ATTN_NORM_DIM, ATTN_NORM_THREADS):
+        y[n, i] = w[i] * (x_out[n, i] * s)
+
+
+@cuda.jit
+def attn_norm_backward_dx_kernel(x, w, rstd, dy, dx, accumulate):
     partial = cuda.shared.array(ATTN_NORM_THREADS, np.float64)
     n = cuda.blockIdx.x
     dot = 0.0
@@ -291,7 +309,10 @@ def attn_norm_backward_dx_kernel(x, w, rstd, dy, dx):
     r = np.float64(rstd[n])
     c = r * r * r * dot / ATTN_NORM_DIM
     for i in range(cuda.threadIdx.x, ATTN_NORM_DIM, ATTN_NORM_THREADS):
-        dx[n, i] = r * w[i] * dy[n, i] - c * x[n, i]
+        if accumulate:
+            dx[n, i] += r * w[i] * dy[n, i] - c * x[n, i]
+        else:
+            dx[n, i] = r * w[i] * dy[n, i] - c * x[n, i]
 
 
 @cuda.jit
@@ -309,12 +330,24 @@ def attn_norm_forward(x, w, y, rstd):
     attn_norm_forward_kernel[x.shape[0], ATTN_NORM_THREADS](x, w, y, rstd)
 
 
+def attn_norm_forward_residual(x, r, x_out, w, y, rstd):
+    # fused: x_out = x + r, then y = rmsnorm(x_out). x, r, x_out, y are (N, 32); x_out may alias x.
+    attn_norm_forward_residual_kernel[x.shape[0], ATTN_NORM_THREADS](x, r, x_out, w, y, rstd)
+
+
 def attn_norm_backward(x, w, rstd, dy, dx, dw):
     # in the forward pass this was: y[n, i] = w[i] * (x[n, i] * rstd[n]), so now we have
     #   dx[n, i] = rstd[n] * w[i] * dy[n, i] - rstd[n]³ / D * x[n, i] * sum_j dy[n, j] w[j] x[n, j]
     #   dw[i] = sum_n dy[n, i] * x[n, i] * rstd[n]
     # dx and dw are overwritten.
-    attn_norm_backward_dx_kernel[x.shape[0], ATTN_NORM_THREADS](x, w, rstd, dy, dx)
+    attn_norm_backward_dx_kernel[x.shape[0], ATTN_NORM_THREADS](x, w, rstd, dy, dx, False)
+    attn_norm_backward_dw_kernel[(ATTN_NORM_DIM + 127) // 128, 128](x, rstd, dy, dw)
+
+
+def attn_norm_backward_add(x, w, rstd, dy, dx, dw):
+    # as attn_norm_backward, but the input gradient is added into dx: the norm's input also carries on
+    # along the residual stream (a fan-out, Lean law residual_adjoint), whose gradient dx holds
+    attn_norm_backward_dx_kernel[x.shape[0], ATTN_NORM_THREADS](x, w, rstd, dy, dx, True)
     attn_norm_backward_dw_kernel[(ATTN_NORM_DIM + 127) // 128, 128](x, rstd, dy, dw)
 
 
@@ -682,7 +715,25 @@ def mlp_norm_forward_kernel(x, w, y, rstd):
 
 
 @cuda.jit
-def mlp_norm_backward_dx_kernel(x, w, rstd, dy, dx):
+def mlp_norm_forward_residual_kernel(x, r, x_out, w, y, rstd):
+    # each thread reads x and r and writes x_out at its own columns, so x_out may alias x
+    partial = cuda.shared.array(MLP_NORM_THREADS, np.float64)
+    n = cuda.blockIdx.x
+    sum_sq = 0.0
+    for i in range(cuda.threadIdx.x, MLP_NORM_DIM, MLP_NORM_THREADS):
+        x_out[n, i] = x[n, i] + r[n, i]
+        sum_sq += np.float64(x_out[n, i]) * np.float64(x_out[n, i])
+    sum_sq = mlp_norm_block_sum(partial, sum_sq)
+    if cuda.threadIdx.x == 0:
+        rstd[n] = 1.0 / math.sqrt(sum_sq / MLP_NORM_DIM + MLP_NORM_EPS)
+    cuda.syncthreads()
+    s = rstd[n]
+    for i in range(cuda.threadIdx.x, MLP_NORM_DIM, MLP_NORM_THREADS):
+        y[n, i] = w[i] * (x_out[n, i] * s)
+
+
+@cuda.jit
+def mlp_norm_backward_dx_kernel(x, w, rstd, dy, dx, accumulate):
     partial = cuda.shared.array(MLP_NORM_THREADS, np.float64)
     n = cuda.blockIdx.x
     dot = 0.0
@@ -692,7 +743,10 @@ def mlp_norm_backward_dx_kernel(x, w, rstd, dy, dx):
     r = np.float64(rstd[n])
     c = r * r * r * dot / MLP_NORM_DIM
     for i in range(cuda.threadIdx.x, MLP_NORM_DIM, MLP_NORM_THREADS):
-        dx[n, i] = r * w[i] * dy[n, i] - c * x[n, i]
+        if accumulate:
+            dx[n, i] += r * w[i] * dy[n, i] - c * x[n, i]
+        else:
+            dx[n, i] = r * w[i] * dy[n, i] - c * x[n, i]
 
 
 @cuda.jit
@@ -710,12 +764,24 @@ def mlp_norm_forward(x, w, y, rstd):
     mlp_norm_forward_kernel[x.shape[0], MLP_NORM_THREADS](x, w, y, rstd)
 
 
+def mlp_norm_forward_residual(x, r, x_out, w, y, rstd):
+    # fused: x_out = x + r, then y = rmsnorm(x_out). x, r, x_out, y are (N, 32); x_out may alias x.
+    mlp_norm_forward_residual_kernel[x.shape[0], MLP_NORM_THREADS](x, r, x_out, w, y, rstd)
+
+
 def mlp_norm_backward(x, w, rstd, dy, dx, dw):
     # in the forward pass this was: y[n, i] = w[i] * (x[n, i] * rstd[n]), so now we have
     #   dx[n, i] = rstd[n] * w[i] * dy[n, i] - rstd[n]³ / D * x[n, i] * sum_j dy[n, j] w[j] x[n, j]
     #   dw[i] = sum_n dy[n, i] * x[n, i] * rstd[n]
     # dx and dw are overwritten.
-    mlp_norm_backward_dx_kernel[x.shape[0], MLP_NORM_THREADS](x, w, rstd, dy, dx)
+    mlp_norm_backward_dx_kernel[x.shape[0], MLP_NORM_THREADS](x, w, rstd, dy, dx, False)
+    mlp_norm_backward_dw_kernel[(MLP_NORM_DIM + 127) // 128, 128](x, rstd, dy, dw)
+
+
+def mlp_norm_backward_add(x, w, rstd, dy, dx, dw):
+    # as mlp_norm_backward, but the input gradient is added into dx: the norm's input also carries on
+    # along the residual stream (a fan-out, Lean law residual_adjoint), whose gradient dx holds
+    mlp_norm_backward_dx_kernel[x.shape[0], MLP_NORM_THREADS](x, w, rstd, dy, dx, True)
     mlp_norm_backward_dw_kernel[(MLP_NORM_DIM + 127) // 128, 128](x, rstd, dy, dw)
 
 
@@ -841,7 +907,25 @@ def final_norm_forward_kernel(x, w, y, rstd):
 
 
 @cuda.jit
-def final_norm_backward_dx_kernel(x, w, rstd, dy, dx):
+def final_norm_forward_residual_kernel(x, r, x_out, w, y, rstd):
+    # each thread reads x and r and writes x_out at its own columns, so x_out may alias x
+    partial = cuda.shared.array(FINAL_NORM_THREADS, np.float64)
+    n = cuda.blockIdx.x
+    sum_sq = 0.0
+    for i in range(cuda.threadIdx.x, FINAL_NORM_DIM, FINAL_NORM_THREADS):
+        x_out[n, i] = x[n, i] + r[n, i]
+        sum_sq += np.float64(x_out[n, i]) * np.float64(x_out[n, i])
+    sum_sq = final_norm_block_sum(partial, sum_sq)
+    if cuda.threadIdx.x == 0:
+        rstd[n] = 1.0 / math.sqrt(sum_sq / FINAL_NORM_DIM + FINAL_NORM_EPS)
+    cuda.syncthreads()
+    s = rstd[n]
+    for i in range(cuda.threadIdx.x, FINAL_NORM_DIM, FINAL_NORM_THREADS):
+        y[n, i] = w[i] * (x_out[n, i] * s)
+
+
+@cuda.jit
+def final_norm_backward_dx_kernel(x, w, rstd, dy, dx, accumulate):
     partial = cuda.shared.array(FINAL_NORM_THREADS, np.float64)
     n = cuda.blockIdx.x
     dot = 0.0
@@ -851,7 +935,10 @@ def final_norm_backward_dx_kernel(x, w, rstd, dy, dx):
     r = np.float64(rstd[n])
     c = r * r * r * dot / FINAL_NORM_DIM
     for i in range(cuda.threadIdx.x, FINAL_NORM_DIM, FINAL_NORM_THREADS):
-        dx[n, i] = r * w[i] * dy[n, i] - c * x[n, i]
+        if accumulate:
+            dx[n, i] += r * w[i] * dy[n, i] - c * x[n, i]
+        else:
+            dx[n, i] = r * w[i] * dy[n, i] - c * x[n, i]
 
 
 @cuda.jit
@@ -869,12 +956,24 @@ def final_norm_forward(x, w, y, rstd):
     final_norm_forward_kernel[x.shape[0], FINAL_NORM_THREADS](x, w, y, rstd)
 
 
+def final_norm_forward_residual(x, r, x_out, w, y, rstd):
+    # fused: x_out = x + r, then y = rmsnorm(x_out). x, r, x_out, y are (N, 32); x_out may alias x.
+    final_norm_forward_residual_kernel[x.shape[0], FINAL_NORM_THREADS](x, r, x_out, w, y, rstd)
+
+
 def final_norm_backward(x, w, rstd, dy, dx, dw):
     # in the forward pass this was: y[n, i] = w[i] * (x[n, i] * rstd[n]), so now we have
     #   dx[n, i] = rstd[n] * w[i] * dy[n, i] - rstd[n]³ / D * x[n, i] * sum_j dy[n, j] w[j] x[n, j]
     #   dw[i] = sum_n dy[n, i] * x[n, i] * rstd[n]
     # dx and dw are overwritten.
-    final_norm_backward_dx_kernel[x.shape[0], FINAL_NORM_THREADS](x, w, rstd, dy, dx)
+    final_norm_backward_dx_kernel[x.shape[0], FINAL_NORM_THREADS](x, w, rstd, dy, dx, False)
+    final_norm_backward_dw_kernel[(FINAL_NORM_DIM + 127) // 128, 128](x, rstd, dy, dw)
+
+
+def final_norm_backward_add(x, w, rstd, dy, dx, dw):
+    # as final_norm_backward, but the input gradient is added into dx: the norm's input also carries on
+    # along the residual stream (a fan-out, Lean law residual_adjoint), whose gradient dx holds
+    final_norm_backward_dx_kernel[x.shape[0], FINAL_NORM_THREADS](x, w, rstd, dy, dx, True)
     final_norm_backward_dw_kernel[(FINAL_NORM_DIM + 127) // 128, 128](x, rstd, dy, dw)
 
 

@@ -255,7 +255,7 @@ class Gradients:
     def __init__(self, device, B, T):
         N = B * T
         zeros = device.zeros
-        self.dx, self.dnorm_in, self.dln, self.dxf = (zeros((N, DIM)) for _ in range(4))
+        self.dx, self.dln, self.dxf = (zeros((N, DIM)) for _ in range(3))
         dqkv4 = zeros((B, T, QKV_HEADS, HEAD_DIM))
         self.dqkv = dqkv4.reshape(N, QKV_HEADS * HEAD_DIM)
         self.dq4, self.dk4, self.dv4, self.dqk4 = split_qkv(dqkv4)
@@ -377,8 +377,7 @@ class Model:
             k.rope_forward(s.qk4[l], self.cos, self.sin, 0)
             k.attention_forward(s.q4[l], s.k4[l], s.v4[l], s.att[l], s.y[l])
             k.o_proj_forward(s.y2[l], p.o_proj[l], s.o)
-            k.residual_forward(s.x[l], s.o, s.xm[l])
-            k.mlp_norm_forward(s.xm[l], p.mlp_norm[l], s.ln2[l], s.rstd2[l])
+            k.mlp_norm_forward_residual(s.x[l], s.o, s.xm[l], p.mlp_norm[l], s.ln2[l], s.rstd2[l])
             k.gate_up_proj_forward(s.ln2[l], p.gate_up_proj[l], s.gate_up[l])
             k.swiglu_forward(s.gate_up[l], s.h[l])
             k.down_proj_forward(s.h[l], p.down_proj[l], s.down)
@@ -403,13 +402,8 @@ class Model:
             k.gate_up_proj_backward(
                 s.ln2[l], p.gate_up_proj[l], g.dgate_up, g.dln, gr.gate_up_proj[l]
             )
-            # mlp_norm
-            k.mlp_norm_backward(
-                s.xm[l], p.mlp_norm[l], s.rstd2[l], g.dln, g.dnorm_in, gr.mlp_norm[l]
-            )
-            # mlp_fanout (Lean: residual_adjoint)
-            k.residual_backward(g.dnorm_in, g.dx)
-            # attn_join (Lean: residual_adjoint)
+            # attn_join_mlp_norm (Lean: residual_adjoint)
+            k.mlp_norm_backward_add(s.xm[l], p.mlp_norm[l], s.rstd2[l], g.dln, g.dx, gr.mlp_norm[l])
             # o_proj (Lean: linear_input_adjoint, linear_weight_adjoint_input, linear_weight_adjoint_weight)
             k.o_proj_backward(s.y2[l], p.o_proj[l], g.dx, g.dy2, gr.o_proj[l])
             # attention (Lean: matmul_adjoint_left, matmul_adjoint_right)
@@ -418,12 +412,10 @@ class Model:
             k.rope_backward(g.dqk4, self.cos, self.sin)
             # qkv_proj (Lean: linear_input_adjoint, linear_weight_adjoint_input, linear_weight_adjoint_weight)
             k.qkv_proj_backward(s.ln1[l], p.qkv_proj[l], g.dqkv, g.dln, gr.qkv_proj[l])
-            # attn_norm
-            k.attn_norm_backward(
-                s.x[l], p.attn_norm[l], s.rstd1[l], g.dln, g.dnorm_in, gr.attn_norm[l]
+            # attn_norm (Lean: residual_adjoint)
+            k.attn_norm_backward_add(
+                s.x[l], p.attn_norm[l], s.rstd1[l], g.dln, g.dx, gr.attn_norm[l]
             )
-            # attn_fanout (Lean: residual_adjoint)
-            k.residual_backward(g.dnorm_in, g.dx)
         # embed (Lean: embedding_adjoint)
         k.embed_backward(ids, g.dx, gr.embed)
 

@@ -150,12 +150,13 @@ def decoder_plan(spec: DecoderModel) -> Plan:
         rope_forward = ("k.rope_forward(s.qk4[l], self.cos, self.sin, 0)",)
         rope_backward = ("k.rope_backward(g.dqk4, self.cos, self.sin)",)
     residual = KIND_LAWS["residual"]
+    # A norm's input also carries on along the residual stream (a fan-out): the norm's backward adds
+    # its input gradient into g.dx, the stream's gradient, instead of a separate add.
     block_ops = [
-        Op("attn_fanout", (), ("k.residual_backward(g.dnorm_in, g.dx)",), residual),
         Op("attn_norm",
            ("k.attn_norm_forward(s.x[l], p.attn_norm[l], s.ln1[l], s.rstd1[l])",),
-           ("k.attn_norm_backward(s.x[l], p.attn_norm[l], s.rstd1[l], g.dln, g.dnorm_in, "
-            "gr.attn_norm[l])",)),
+           ("k.attn_norm_backward_add(s.x[l], p.attn_norm[l], s.rstd1[l], g.dln, g.dx, "
+            "gr.attn_norm[l])",), residual),
         linear_op("qkv_proj", "s.ln1[l]", "p.qkv_proj[l]", "s.qkv[l]", "g.dqkv", "g.dln",
                   "gr.qkv_proj[l]"),
     ]
@@ -167,13 +168,13 @@ def decoder_plan(spec: DecoderModel) -> Plan:
            ("k.attention_backward(s.q4[l], s.k4[l], s.v4[l], s.att[l], g.dy, g.dq4, g.dk4, g.dv4)",),
            KIND_LAWS["attention"]),
         linear_op("o_proj", "s.y2[l]", "p.o_proj[l]", "s.o", "g.dx", "g.dy2", "gr.o_proj[l]"),
-        # both branches of the join read g.dx as their gradient: nothing to compute
-        Op("attn_join", ("k.residual_forward(s.x[l], s.o, s.xm[l])",), (), residual),
-        Op("mlp_fanout", (), ("k.residual_backward(g.dnorm_in, g.dx)",), residual),
-        Op("mlp_norm",
-           ("k.mlp_norm_forward(s.xm[l], p.mlp_norm[l], s.ln2[l], s.rstd2[l])",),
-           ("k.mlp_norm_backward(s.xm[l], p.mlp_norm[l], s.rstd2[l], g.dln, g.dnorm_in, "
-            "gr.mlp_norm[l])",)),
+        # the join xm = x + o fused with the norm that reads xm; both branches of the join read
+        # g.dx as their gradient, so its backward is the norm's alone
+        Op("attn_join_mlp_norm",
+           ("k.mlp_norm_forward_residual(s.x[l], s.o, s.xm[l], p.mlp_norm[l], s.ln2[l], "
+            "s.rstd2[l])",),
+           ("k.mlp_norm_backward_add(s.xm[l], p.mlp_norm[l], s.rstd2[l], g.dln, g.dx, "
+            "gr.mlp_norm[l])",), residual),
         linear_op("gate_up_proj", "s.ln2[l]", "p.gate_up_proj[l]", "s.gate_up[l]", "g.dgate_up",
                   "g.dln", "gr.gate_up_proj[l]"),
         Op("swiglu",
