@@ -12,16 +12,22 @@ times; medians are reported.
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
-import subprocess
-import sys
-import time
-from datetime import date
-from pathlib import Path
+import os
 
-import numpy as np
+# Captured before anything imports pyml (which sets thread-pool variables on import): each system's
+# process starts from the environment the user gave, pyml's with pyml's thread settings added.
+START_ENVIRONMENT = dict(os.environ)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from datetime import date  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -100,11 +106,15 @@ def main() -> None:
         print(json.dumps(run_system(args.system, args.new_tokens, args.repeats)))
         return
 
+    from pyml import THREAD_POOL_ENVIRONMENT
+
+    environments = {"ours": {**THREAD_POOL_ENVIRONMENT, **START_ENVIRONMENT},
+                    "transformers": START_ENVIRONMENT}
     results = {}
     for system in ("ours", "transformers"):
         child = subprocess.run([sys.executable, __file__, "--system", system, "--new-tokens",
                                 str(args.new_tokens), "--repeats", str(args.repeats)],
-                               capture_output=True, text=True, check=True)
+                               env=environments[system], capture_output=True, text=True, check=True)
         results[system] = json.loads(child.stdout.strip().splitlines()[-1])
     ours, theirs = results["ours"]["tokens"], results["transformers"]["tokens"]
     same = ours == theirs[: len(ours)]
@@ -113,6 +123,9 @@ def main() -> None:
         "new_tokens": len(ours), "outputs_identical": same,
         "systems": {name: {key: result[key] for key in ("prefill_tokens_per_s", "decode_tokens_per_s")}
                     for name, result in results.items()},
+        "thread_environment": {system: {name: environment[name] for name in THREAD_POOL_ENVIRONMENT
+                                        if name in environment}
+                               for system, environment in environments.items()},
     }
     lines = [f"SmolLM2-135M-Instruct generation, greedy with a KV cache, {report['date']}: "
              f"{report['prompt_tokens']} prompt tokens, {report['new_tokens']} new tokens, "
@@ -120,6 +133,7 @@ def main() -> None:
              "", "| system | prefill tokens/s | decode tokens/s |", "| --- | --- | --- |"]
     for name, result in report["systems"].items():
         lines.append(f"| {name} | {result['prefill_tokens_per_s']:.1f} | {result['decode_tokens_per_s']:.1f} |")
+    lines += ["", f"Thread-pool environment per system: {report['thread_environment']}."]
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "generate.json").write_text(json.dumps(report, indent=2) + "\n")
     (RESULTS / "generate.md").write_text("\n".join(lines) + "\n")

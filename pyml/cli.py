@@ -177,7 +177,11 @@ def run_benchmark(script: str, arguments: list[str]) -> None:
     path = ROOT / "bench" / script
     if not path.exists():
         raise PymlError(f"{path}: not found; run the benchmarks from the project root")
-    raise typer.Exit(subprocess.run([sys.executable, str(path), *arguments], check=False).returncode)
+    # the script starts from the user's environment: it sets pyml's thread settings for pyml alone
+    from pyml import user_environment
+
+    raise typer.Exit(subprocess.run([sys.executable, str(path), *arguments], env=user_environment(),
+                                    check=False).returncode)
 
 
 @bench_app.command("train")

@@ -1,5 +1,6 @@
 """The CLI as a user runs it: a subprocess, its exit status and what it prints."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -49,3 +50,18 @@ def test_a_bad_spec_among_good_ones_writes_nothing(tmp_path):
     result = pyml("gen", "specs/mlp_digits.toml", "specs/bad/mlp_128_to_64.toml", cwd=tmp_path)
     assert result.returncode == 2
     assert not (tmp_path / "gen").exists()
+
+
+@pytest.mark.parametrize("user_setting", [None, "ACTIVE"])
+def test_benchmarks_start_from_the_users_thread_environment(user_setting):
+    # pyml sets thread-pool variables on import; `pyml bench` must hand its scripts (and so
+    # PyTorch's worker) the environment the user gave, with a user's own setting kept
+    code = ("import os, pyml; print(os.environ['OMP_WAIT_POLICY'], "
+            "pyml.user_environment().get('OMP_WAIT_POLICY'))")
+    environment = {name: value for name, value in os.environ.items()
+                   if name not in ("OMP_WAIT_POLICY", "OPENBLAS_THREAD_TIMEOUT")}
+    if user_setting:
+        environment["OMP_WAIT_POLICY"] = user_setting
+    result = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True,
+                            text=True, check=True)
+    assert result.stdout.split() == [user_setting or "PASSIVE", str(user_setting)]
