@@ -305,10 +305,13 @@ def attention_head_major(x, n_batch, n_tokens):
 
 
 def attention_split_heads(x):
-    # (B, T, 4 * 8) viewed as (B, T, 4, 8) for any strides of x (a reshape would
-    # silently copy a non-contiguous x, and writes to the copy would be lost)
-    s0, s1, s2 = x.strides
+    # (B, T, 4 * 8) viewed as (B, T, 4, 8) for any strides of x: a reshape is a view
+    # of a contiguous x (and several times cheaper than as_strided), but would silently copy any
+    # other x, and writes to the copy would be lost
     shape = (x.shape[0], x.shape[1], ATTENTION_N_HEADS, ATTENTION_HEAD_DIM)
+    if x.flags.c_contiguous:
+        return x.reshape(shape)
+    s0, s1, s2 = x.strides
     return np.lib.stride_tricks.as_strided(x, shape, (s0, s1, ATTENTION_HEAD_DIM * s2, s2))
 
 
