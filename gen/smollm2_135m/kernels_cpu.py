@@ -171,8 +171,8 @@ ATTN_NORM_EPS = 1e-05
 # dw is summed over rows in this many fixed row chunks, each in row order into a float64 partial,
 # then the partials in order: deterministic for any thread count
 ATTN_NORM_ROW_CHUNKS = 8
-# the partials, (ROW_CHUNKS, DIM) float64, made on first use
-ATTN_NORM_SCRATCH = {}
+# the partials (float64 for every dtype), made once
+ATTN_NORM_DW_PARTIAL = np.empty((ATTN_NORM_ROW_CHUNKS, ATTN_NORM_DIM))
 
 
 @njit(cache=True, parallel=True)
@@ -230,19 +230,13 @@ def attn_norm_backward(x, w, rstd, dy, dx, dw):
     #   dx[n, i] = rstd[n] * w[i] * dy[n, i] - rstd[n]³ / D * x[n, i] * sum_j dy[n, j] w[j] x[n, j]
     #   dw[i] = sum_n dy[n, i] * x[n, i] * rstd[n]
     # dx and dw are overwritten.
-    attn_norm_backward_kernel(x, w, rstd, dy, dx, dw, attn_norm_partial(), False)
+    attn_norm_backward_kernel(x, w, rstd, dy, dx, dw, ATTN_NORM_DW_PARTIAL, False)
 
 
 def attn_norm_backward_add(x, w, rstd, dy, dx, dw):
     # as attn_norm_backward, but the input gradient is added into dx: the norm's input also carries on
     # along the residual stream (a fan-out, Lean law residual_adjoint), whose gradient dx holds
-    attn_norm_backward_kernel(x, w, rstd, dy, dx, dw, attn_norm_partial(), True)
-
-
-def attn_norm_partial():
-    if "partial" not in ATTN_NORM_SCRATCH:
-        ATTN_NORM_SCRATCH["partial"] = np.empty((ATTN_NORM_ROW_CHUNKS, ATTN_NORM_DIM))
-    return ATTN_NORM_SCRATCH["partial"]
+    attn_norm_backward_kernel(x, w, rstd, dy, dx, dw, ATTN_NORM_DW_PARTIAL, True)
 
 
 # Linear layer qkv_proj: y = x @ w.T, in_features=576, out_features=960.
@@ -571,8 +565,8 @@ MLP_NORM_EPS = 1e-05
 # dw is summed over rows in this many fixed row chunks, each in row order into a float64 partial,
 # then the partials in order: deterministic for any thread count
 MLP_NORM_ROW_CHUNKS = 8
-# the partials, (ROW_CHUNKS, DIM) float64, made on first use
-MLP_NORM_SCRATCH = {}
+# the partials (float64 for every dtype), made once
+MLP_NORM_DW_PARTIAL = np.empty((MLP_NORM_ROW_CHUNKS, MLP_NORM_DIM))
 
 
 @njit(cache=True, parallel=True)
@@ -630,19 +624,13 @@ def mlp_norm_backward(x, w, rstd, dy, dx, dw):
     #   dx[n, i] = rstd[n] * w[i] * dy[n, i] - rstd[n]³ / D * x[n, i] * sum_j dy[n, j] w[j] x[n, j]
     #   dw[i] = sum_n dy[n, i] * x[n, i] * rstd[n]
     # dx and dw are overwritten.
-    mlp_norm_backward_kernel(x, w, rstd, dy, dx, dw, mlp_norm_partial(), False)
+    mlp_norm_backward_kernel(x, w, rstd, dy, dx, dw, MLP_NORM_DW_PARTIAL, False)
 
 
 def mlp_norm_backward_add(x, w, rstd, dy, dx, dw):
     # as mlp_norm_backward, but the input gradient is added into dx: the norm's input also carries on
     # along the residual stream (a fan-out, Lean law residual_adjoint), whose gradient dx holds
-    mlp_norm_backward_kernel(x, w, rstd, dy, dx, dw, mlp_norm_partial(), True)
-
-
-def mlp_norm_partial():
-    if "partial" not in MLP_NORM_SCRATCH:
-        MLP_NORM_SCRATCH["partial"] = np.empty((MLP_NORM_ROW_CHUNKS, MLP_NORM_DIM))
-    return MLP_NORM_SCRATCH["partial"]
+    mlp_norm_backward_kernel(x, w, rstd, dy, dx, dw, MLP_NORM_DW_PARTIAL, True)
 
 
 # Linear layer gate_up_proj: y = x @ w.T, in_features=576, out_features=3072.
@@ -730,8 +718,8 @@ FINAL_NORM_EPS = 1e-05
 # dw is summed over rows in this many fixed row chunks, each in row order into a float64 partial,
 # then the partials in order: deterministic for any thread count
 FINAL_NORM_ROW_CHUNKS = 8
-# the partials, (ROW_CHUNKS, DIM) float64, made on first use
-FINAL_NORM_SCRATCH = {}
+# the partials (float64 for every dtype), made once
+FINAL_NORM_DW_PARTIAL = np.empty((FINAL_NORM_ROW_CHUNKS, FINAL_NORM_DIM))
 
 
 @njit(cache=True, parallel=True)
@@ -789,19 +777,13 @@ def final_norm_backward(x, w, rstd, dy, dx, dw):
     #   dx[n, i] = rstd[n] * w[i] * dy[n, i] - rstd[n]³ / D * x[n, i] * sum_j dy[n, j] w[j] x[n, j]
     #   dw[i] = sum_n dy[n, i] * x[n, i] * rstd[n]
     # dx and dw are overwritten.
-    final_norm_backward_kernel(x, w, rstd, dy, dx, dw, final_norm_partial(), False)
+    final_norm_backward_kernel(x, w, rstd, dy, dx, dw, FINAL_NORM_DW_PARTIAL, False)
 
 
 def final_norm_backward_add(x, w, rstd, dy, dx, dw):
     # as final_norm_backward, but the input gradient is added into dx: the norm's input also carries on
     # along the residual stream (a fan-out, Lean law residual_adjoint), whose gradient dx holds
-    final_norm_backward_kernel(x, w, rstd, dy, dx, dw, final_norm_partial(), True)
-
-
-def final_norm_partial():
-    if "partial" not in FINAL_NORM_SCRATCH:
-        FINAL_NORM_SCRATCH["partial"] = np.empty((FINAL_NORM_ROW_CHUNKS, FINAL_NORM_DIM))
-    return FINAL_NORM_SCRATCH["partial"]
+    final_norm_backward_kernel(x, w, rstd, dy, dx, dw, FINAL_NORM_DW_PARTIAL, True)
 
 
 # Linear layer lm_head: y = x @ w.T, in_features=576, out_features=49152.
