@@ -114,7 +114,10 @@ def main() -> None:
     for system in ("ours", "transformers"):
         child = subprocess.run([sys.executable, __file__, "--system", system, "--new-tokens",
                                 str(args.new_tokens), "--repeats", str(args.repeats)],
-                               env=environments[system], capture_output=True, text=True, check=True)
+                               env=environments[system], capture_output=True, text=True)
+        if child.returncode != 0:
+            last_line = (child.stderr.strip().splitlines() or ["no output"])[-1]
+            raise SystemExit(f"error: the {system} run failed: {last_line}")
         results[system] = json.loads(child.stdout.strip().splitlines()[-1])
     ours, theirs = results["ours"]["tokens"], results["transformers"]["tokens"]
     same = ours == theirs[: len(ours)]
@@ -138,6 +141,9 @@ def main() -> None:
     (RESULTS / "generate.json").write_text(json.dumps(report, indent=2) + "\n")
     (RESULTS / "generate.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    if not same:
+        # a speed figure is only worth something if both systems produced the same text
+        raise SystemExit("error: pyml's greedy tokens differ from transformers'")
 
 
 if __name__ == "__main__":

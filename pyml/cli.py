@@ -188,7 +188,7 @@ def run_benchmark(script: str, arguments: list[str]) -> None:
 @user_errors
 def bench_train(
     rounds: Annotated[int, typer.Option(help="Rounds; systems alternate within each.")] = 3,
-    steps: Annotated[int, typer.Option(help="Timed steps per system per round.")] = 5,
+    steps: Annotated[int, typer.Option(help="Timed steps per system per round.")] = 10,
     compile: Annotated[bool, typer.Option(help="Also time torch.compile (about 75 s to compile).")] = False,
 ) -> None:
     """SmolLM2-135M training step (2x128 tokens, AdamW): this project's package vs PyTorch."""
