@@ -61,3 +61,21 @@ def test_generated_backward_is_the_forward_reversed(package):
     forward = [name for name in kernel_calls(source, "run_forward") if name != "residual"]
     backward = [name for name in kernel_calls(source, "run_backward") if name != "residual"]
     assert forward and backward == forward[::-1]
+
+
+@pytest.mark.parametrize("target", render.TARGETS)
+def test_a_layer_with_the_dims_of_an_earlier_one_shares_its_kernels(target):
+    """Same kind and dims: the later layer's names are bound to the earlier block's functions (its
+    helpers stay private); other dims render a block of their own."""
+    source = render.render_kernel_module(target, [
+        ("rmsnorm", {"p": "attn_norm", "dim": 24, "eps": 1e-5}),
+        ("rmsnorm", {"p": "mlp_norm", "dim": 24, "eps": 1e-5}),
+        ("rmsnorm", {"p": "wide_norm", "dim": 32, "eps": 1e-5}),
+    ])
+    assert "def mlp_norm_" not in source
+    bindings = re.findall(r"^mlp_norm_(\w+) = attn_norm_(\w+)$", source, re.MULTILINE)
+    assert all(later == first for later, first in bindings)
+    # the entry points the model calls, not the kernels and device helpers behind them
+    assert {name for name, _ in bindings} == {"forward", "forward_residual", "backward",
+                                              "backward_add"}
+    assert "def wide_norm_forward(" in source

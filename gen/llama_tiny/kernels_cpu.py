@@ -555,82 +555,11 @@ def residual_backward(dout, dx):
         dx_flat[i] += dout_flat[i]
 
 
-# RMSNorm mlp_norm: y = x * rstd * w, rstd = 1 / sqrt(mean(x²) + eps), dim=32, eps=1e-05.
-# The weight is an element-wise gain (Lean law hadamard_adjoint); the normalisation is non-linear:
-# numerics checked against PyTorch (transformers' LlamaRMSNorm) and
-# finite differences. The sum of squares is accumulated in float64 for every input dtype; rstd is
-# stored (and used) in the input dtype, as LlamaRMSNorm does.
-MLP_NORM_DIM = 32
-MLP_NORM_EPS = 1e-05
-# dw is summed over rows in this many fixed row chunks, each in row order into a float64 partial,
-# then the partials in order: deterministic for any thread count
-MLP_NORM_ROW_CHUNKS = 8
-# the partials (float64 for every dtype), made once
-MLP_NORM_DW_PARTIAL = np.empty((MLP_NORM_ROW_CHUNKS, MLP_NORM_DIM))
-
-
-@njit(cache=True, parallel=True)
-def mlp_norm_forward(x, w, y, rstd):
-    # x is (N, 32), w is (32,), y is (N, 32), rstd is (N,) in x's dtype
-    for n in prange(x.shape[0]):
-        rstd[n] = 1.0 / math.sqrt(dot_float64(x[n], x[n]) / MLP_NORM_DIM + MLP_NORM_EPS)
-        r = rstd[n]
-        for i in range(MLP_NORM_DIM):
-            y[n, i] = w[i] * (x[n, i] * r)
-
-
-@njit(cache=True, parallel=True)
-def mlp_norm_forward_residual(x, r, x_out, w, y, rstd):
-    # fused: x_out = x + r, then y = rmsnorm(x_out). x, r, x_out, y are (N, 32); x_out may alias x.
-    for n in prange(x.shape[0]):
-        for i in range(MLP_NORM_DIM):
-            x_out[n, i] = x[n, i] + r[n, i]
-        rstd[n] = 1.0 / math.sqrt(dot_float64(x_out[n], x_out[n]) / MLP_NORM_DIM + MLP_NORM_EPS)
-        s = rstd[n]
-        for i in range(MLP_NORM_DIM):
-            y[n, i] = w[i] * (x_out[n, i] * s)
-
-
-@njit(cache=True, parallel=True)
-def mlp_norm_backward_kernel(x, w, rstd, dy, dx, dw, partial, accumulate):
-    n_rows = x.shape[0]
-    for n in prange(n_rows):
-        r = np.float64(rstd[n])
-        c = r * r * r * weighted_dot_float64(dy[n], x[n], w) / MLP_NORM_DIM
-        for i in range(MLP_NORM_DIM):
-            if accumulate:
-                dx[n, i] += r * w[i] * dy[n, i] - c * x[n, i]
-            else:
-                dx[n, i] = r * w[i] * dy[n, i] - c * x[n, i]
-    rows_per_chunk = (n_rows + MLP_NORM_ROW_CHUNKS - 1) // MLP_NORM_ROW_CHUNKS
-    for chunk in prange(MLP_NORM_ROW_CHUNKS):
-        acc = partial[chunk]
-        acc[:] = 0.0
-        for n in range(chunk * rows_per_chunk, min((chunk + 1) * rows_per_chunk, n_rows)):
-            r = rstd[n]
-            for i in range(MLP_NORM_DIM):
-                acc[i] += dy[n, i] * (x[n, i] * r)
-    for i in range(MLP_NORM_DIM):
-        total = 0.0
-        for chunk in range(MLP_NORM_ROW_CHUNKS):
-            total += partial[chunk, i]
-        dw[i] = total
-
-
-def mlp_norm_backward(x, w, rstd, dy, dx, dw):
-    # in the forward pass this was: y[n, i] = w[i] * (x[n, i] * rstd[n]),
-    # with rstd[n] = (sum_j x[n, j]² / D + eps)^(-1/2), so d rstd[n] / d x[n, j] = -rstd[n]³ x[n, j] / D.
-    # so now we have:
-    #   dx[n, i] = rstd[n] * w[i] * dy[n, i] - rstd[n]³ / D * x[n, i] * sum_j dy[n, j] w[j] x[n, j]
-    #   dw[i] = sum_n dy[n, i] * x[n, i] * rstd[n]
-    # dx and dw are overwritten.
-    mlp_norm_backward_kernel(x, w, rstd, dy, dx, dw, MLP_NORM_DW_PARTIAL, False)
-
-
-def mlp_norm_backward_add(x, w, rstd, dy, dx, dw):
-    # as mlp_norm_backward, but the input gradient is added into dx: the norm's input also carries on
-    # along the residual stream (a fan-out, Lean law residual_adjoint), whose gradient dx holds
-    mlp_norm_backward_kernel(x, w, rstd, dy, dx, dw, MLP_NORM_DW_PARTIAL, True)
+# mlp_norm has the kind and dims of attn_norm: the same kernels
+mlp_norm_forward = attn_norm_forward
+mlp_norm_forward_residual = attn_norm_forward_residual
+mlp_norm_backward = attn_norm_backward
+mlp_norm_backward_add = attn_norm_backward_add
 
 
 # Linear layer gate_up_proj: y = x @ w.T, in_features=32, out_features=128.
@@ -708,82 +637,11 @@ def down_proj_backward(x, w, dy, dx, dw):
     np.matmul(dy.T, x, out=dw)
 
 
-# RMSNorm final_norm: y = x * rstd * w, rstd = 1 / sqrt(mean(x²) + eps), dim=32, eps=1e-05.
-# The weight is an element-wise gain (Lean law hadamard_adjoint); the normalisation is non-linear:
-# numerics checked against PyTorch (transformers' LlamaRMSNorm) and
-# finite differences. The sum of squares is accumulated in float64 for every input dtype; rstd is
-# stored (and used) in the input dtype, as LlamaRMSNorm does.
-FINAL_NORM_DIM = 32
-FINAL_NORM_EPS = 1e-05
-# dw is summed over rows in this many fixed row chunks, each in row order into a float64 partial,
-# then the partials in order: deterministic for any thread count
-FINAL_NORM_ROW_CHUNKS = 8
-# the partials (float64 for every dtype), made once
-FINAL_NORM_DW_PARTIAL = np.empty((FINAL_NORM_ROW_CHUNKS, FINAL_NORM_DIM))
-
-
-@njit(cache=True, parallel=True)
-def final_norm_forward(x, w, y, rstd):
-    # x is (N, 32), w is (32,), y is (N, 32), rstd is (N,) in x's dtype
-    for n in prange(x.shape[0]):
-        rstd[n] = 1.0 / math.sqrt(dot_float64(x[n], x[n]) / FINAL_NORM_DIM + FINAL_NORM_EPS)
-        r = rstd[n]
-        for i in range(FINAL_NORM_DIM):
-            y[n, i] = w[i] * (x[n, i] * r)
-
-
-@njit(cache=True, parallel=True)
-def final_norm_forward_residual(x, r, x_out, w, y, rstd):
-    # fused: x_out = x + r, then y = rmsnorm(x_out). x, r, x_out, y are (N, 32); x_out may alias x.
-    for n in prange(x.shape[0]):
-        for i in range(FINAL_NORM_DIM):
-            x_out[n, i] = x[n, i] + r[n, i]
-        rstd[n] = 1.0 / math.sqrt(dot_float64(x_out[n], x_out[n]) / FINAL_NORM_DIM + FINAL_NORM_EPS)
-        s = rstd[n]
-        for i in range(FINAL_NORM_DIM):
-            y[n, i] = w[i] * (x_out[n, i] * s)
-
-
-@njit(cache=True, parallel=True)
-def final_norm_backward_kernel(x, w, rstd, dy, dx, dw, partial, accumulate):
-    n_rows = x.shape[0]
-    for n in prange(n_rows):
-        r = np.float64(rstd[n])
-        c = r * r * r * weighted_dot_float64(dy[n], x[n], w) / FINAL_NORM_DIM
-        for i in range(FINAL_NORM_DIM):
-            if accumulate:
-                dx[n, i] += r * w[i] * dy[n, i] - c * x[n, i]
-            else:
-                dx[n, i] = r * w[i] * dy[n, i] - c * x[n, i]
-    rows_per_chunk = (n_rows + FINAL_NORM_ROW_CHUNKS - 1) // FINAL_NORM_ROW_CHUNKS
-    for chunk in prange(FINAL_NORM_ROW_CHUNKS):
-        acc = partial[chunk]
-        acc[:] = 0.0
-        for n in range(chunk * rows_per_chunk, min((chunk + 1) * rows_per_chunk, n_rows)):
-            r = rstd[n]
-            for i in range(FINAL_NORM_DIM):
-                acc[i] += dy[n, i] * (x[n, i] * r)
-    for i in range(FINAL_NORM_DIM):
-        total = 0.0
-        for chunk in range(FINAL_NORM_ROW_CHUNKS):
-            total += partial[chunk, i]
-        dw[i] = total
-
-
-def final_norm_backward(x, w, rstd, dy, dx, dw):
-    # in the forward pass this was: y[n, i] = w[i] * (x[n, i] * rstd[n]),
-    # with rstd[n] = (sum_j x[n, j]² / D + eps)^(-1/2), so d rstd[n] / d x[n, j] = -rstd[n]³ x[n, j] / D.
-    # so now we have:
-    #   dx[n, i] = rstd[n] * w[i] * dy[n, i] - rstd[n]³ / D * x[n, i] * sum_j dy[n, j] w[j] x[n, j]
-    #   dw[i] = sum_n dy[n, i] * x[n, i] * rstd[n]
-    # dx and dw are overwritten.
-    final_norm_backward_kernel(x, w, rstd, dy, dx, dw, FINAL_NORM_DW_PARTIAL, False)
-
-
-def final_norm_backward_add(x, w, rstd, dy, dx, dw):
-    # as final_norm_backward, but the input gradient is added into dx: the norm's input also carries on
-    # along the residual stream (a fan-out, Lean law residual_adjoint), whose gradient dx holds
-    final_norm_backward_kernel(x, w, rstd, dy, dx, dw, FINAL_NORM_DW_PARTIAL, True)
+# final_norm has the kind and dims of attn_norm: the same kernels
+final_norm_forward = attn_norm_forward
+final_norm_forward_residual = attn_norm_forward_residual
+final_norm_backward = attn_norm_backward
+final_norm_backward_add = attn_norm_backward_add
 
 
 # Linear layer lm_head: y = x @ w.T, in_features=32, out_features=96.

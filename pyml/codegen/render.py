@@ -2,11 +2,14 @@
 
 A kernel template (`templates/<target>/<kind>.py.j2`) renders to a block of functions for one layer
 kind, specialised to that layer's dims, all named with the prefix `p`. A kernel module is a fixed
-header (its imports) followed by the blocks of every (kind, dims) a spec needs.
+header (its imports) followed by the blocks of every (kind, dims) a spec needs. A layer with the
+kind and dims of an earlier one (a decoder's three RMSNorms) gets no block of its own: its kernel
+names are bound to the earlier layer's functions, so each kernel is written and compiled once.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import jinja2
@@ -38,8 +41,22 @@ def render_block(target: str, kind: str, context: dict) -> str:
     return ENVIRONMENT.get_template(f"{target}/{kind}.py.j2").render(**context).strip() + "\n"
 
 
+def shared_block(target: str, kind: str, context: dict, first_prefix: str) -> str:
+    """Bindings of layer `context["p"]`'s kernel names to those of `first_prefix`, a layer of the
+    same kind and dims: the functions its own block would define, less the helpers that only the
+    block's other functions call or launch."""
+    prefix, block = context["p"], render_block(target, kind, context)
+    names = re.findall(rf"^def {prefix}_(\w+)\(", block, re.MULTILINE)
+    helpers = {name for name in names
+               if re.search(rf"(?<!def ){prefix}_{name}[(\[]", block)}
+    lines = [f"# {prefix} has the kind and dims of {first_prefix}: the same kernels"]
+    lines += [f"{prefix}_{name} = {first_prefix}_{name}" for name in names if name not in helpers]
+    return "\n".join(lines) + "\n"
+
+
 def render_kernel_module(target: str, blocks: list[tuple[str, dict]]) -> str:
-    """Source of one kernel module: the header, then one rendered block per (kind, context)."""
+    """Source of one kernel module: the header, then one rendered block per (kind, context), or
+    bindings to an earlier block of the same kind and dims."""
     header = HEADERS[target]
     kinds = {kind for kind, _ in blocks}
     if target == "cuda" and "linear" in kinds:
@@ -47,5 +64,12 @@ def render_kernel_module(target: str, blocks: list[tuple[str, dict]]) -> str:
     if target == "cpu" and kinds & VECTOR_MATH_KINDS:
         header = header.replace("njit, prange", "njit, prange, types") + VECTOR_MATH_IMPORTS
         blocks = [("vector_math", {}), *blocks]
-    parts = [header] + [render_block(target, kind, context) for kind, context in blocks]
+    parts, first_prefixes = [header], {}
+    for kind, context in blocks:
+        dims = (kind, tuple(sorted((key, value) for key, value in context.items() if key != "p")))
+        if "p" in context and dims in first_prefixes:
+            parts.append(shared_block(target, kind, context, first_prefixes[dims]))
+        else:
+            first_prefixes.setdefault(dims, context.get("p"))
+            parts.append(render_block(target, kind, context))
     return "\n\n".join(parts)
