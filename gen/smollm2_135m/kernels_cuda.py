@@ -264,10 +264,9 @@ def attn_norm_block_sum(partial, value):
     return total
 
 
-@cuda.jit
-def attn_norm_forward_kernel(x, w, y, rstd):
-    partial = cuda.shared.array(ATTN_NORM_THREADS, np.float64)
-    n = cuda.blockIdx.x
+@cuda.jit(device=True)
+def attn_norm_normalize_row(partial, x, w, y, rstd, n):
+    # row n of y = rmsnorm(x), rstd[n] with it; each thread reads x only at its own columns
     sum_sq = 0.0
     for i in range(cuda.threadIdx.x, ATTN_NORM_DIM, ATTN_NORM_THREADS):
         sum_sq += np.float64(x[n, i]) * np.float64(x[n, i])
@@ -281,21 +280,20 @@ def attn_norm_forward_kernel(x, w, y, rstd):
 
 
 @cuda.jit
+def attn_norm_forward_kernel(x, w, y, rstd):
+    partial = cuda.shared.array(ATTN_NORM_THREADS, np.float64)
+    attn_norm_normalize_row(partial, x, w, y, rstd, cuda.blockIdx.x)
+
+
+@cuda.jit
 def attn_norm_forward_residual_kernel(x, r, x_out, w, y, rstd):
-    # each thread reads x and r and writes x_out at its own columns, so x_out may alias x
+    # each thread reads x and r and writes x_out at its own columns, the columns it then normalizes,
+    # so x_out may alias x and needs no barrier
     partial = cuda.shared.array(ATTN_NORM_THREADS, np.float64)
     n = cuda.blockIdx.x
-    sum_sq = 0.0
     for i in range(cuda.threadIdx.x, ATTN_NORM_DIM, ATTN_NORM_THREADS):
         x_out[n, i] = x[n, i] + r[n, i]
-        sum_sq += np.float64(x_out[n, i]) * np.float64(x_out[n, i])
-    sum_sq = attn_norm_block_sum(partial, sum_sq)
-    if cuda.threadIdx.x == 0:
-        rstd[n] = 1.0 / math.sqrt(sum_sq / ATTN_NORM_DIM + ATTN_NORM_EPS)
-    cuda.syncthreads()
-    s = rstd[n]
-    for i in range(cuda.threadIdx.x, ATTN_NORM_DIM, ATTN_NORM_THREADS):
-        y[n, i] = w[i] * (x_out[n, i] * s)
+    attn_norm_normalize_row(partial, x_out, w, y, rstd, n)
 
 
 @cuda.jit

@@ -3,9 +3,10 @@
 `out/step_000200/` holds model.safetensors (the weights, under the model's own tensor names),
 optimizer.safetensors (AdamW's exp_avg and exp_avg_sq as flat 1-D tensors) and state.json (the
 step, the optimizer's step count, the parameter layout those flat tensors follow, the data position
-and generator state, the losses so far and the run's configuration). A checkpoint is written into a hidden temporary folder and renamed into
-place, so any `step_*` folder is complete; the latest is the one with the highest step. Older ones
-are deleted only after a newer one is in place, so a crash never leaves a run without one.
+and generator state, the losses so far and the run's configuration). A checkpoint is written into a
+hidden temporary folder and renamed into place, so any `step_*` folder is complete; the latest is
+the one with the highest step. Older ones are deleted only after a newer one is in place, so a
+crash never leaves a run without one.
 """
 
 from __future__ import annotations
