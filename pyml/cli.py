@@ -50,13 +50,14 @@ def gen(
 ) -> None:
     """Check each spec's shapes, then write its kernels to gen/<name>/ and its Lean instances to
     lean/Generated/."""
-    from pyml.codegen.emit import write_generated
+    from pyml.codegen.emit import describe_size, write_generated
     from pyml.spec import load_spec
 
     loaded = [load_spec(path) for path in specs]  # every spec is checked before anything is written
     for path, spec in zip(specs, loaded):
         for written in write_generated(spec, path, out):
             print(f"wrote {written}")
+        print(describe_size(spec))
 
 
 @app.command()

@@ -144,8 +144,8 @@ def test_swiglu_and_residual(cpu, gpu):
     gate_up = np.concatenate([g, u], axis=1)
     same(*run_both(cpu.mlp_forward, gpu.mlp_forward, gate_up, np.zeros_like(g))[:2])
     same(*run_both(cpu.mlp_backward, gpu.mlp_backward, gate_up, dh, np.zeros_like(gate_up))[:2])
-    same(*run_both(cpu.res_forward, gpu.res_forward, g, u, np.zeros_like(g))[:2])
-    same(*run_both(cpu.res_backward, gpu.res_backward, g, u)[:2])
+    same(*run_both(cpu.residual_add, gpu.residual_add, g, u, np.zeros_like(g))[:2])
+    same(*run_both(cpu.add_into, gpu.add_into, u, g)[:2])
 
 
 @pytest.mark.parametrize("in_place", [False, True])
@@ -172,8 +172,8 @@ def test_adamw(cpu, gpu):
     state = [params, grads, np.zeros(300), np.zeros(300)]
     host, dev = [a.copy() for a in state], [cuda.to_device(a) for a in state]
     for step in range(1, 4):
-        cpu.opt_step(*host, 1e-2, 0.9, 0.95, 1e-8, 0.1, step)
-        gpu.opt_step(*dev, 1e-2, 0.9, 0.95, 1e-8, 0.1, step)
+        cpu.adamw_step(*host, 1e-2, 0.9, 0.95, 1e-8, 0.1, step)
+        gpu.adamw_step(*dev, 1e-2, 0.9, 0.95, 1e-8, 0.1, step)
     same(host, [d.copy_to_host() for d in dev])
-    np.testing.assert_allclose(gpu.opt_grad_norm(dev[1]), cpu.opt_grad_norm(host[1]), **TOL)
-    same(*run_both(cpu.opt_scale, gpu.opt_scale, grads, scalars=(0.5,))[:2])
+    np.testing.assert_allclose(gpu.adamw_grad_norm(dev[1]), cpu.adamw_grad_norm(host[1]), **TOL)
+    same(*run_both(cpu.adamw_scale, gpu.adamw_scale, grads, scalars=(0.5,))[:2])
