@@ -21,23 +21,35 @@ CACHE_DIR = Path(tempfile.gettempdir()) / "pyml-kernel-tests"
 
 # all kinds with small dims that are not multiples of any tile or block size
 DIMS = dict(dim=24, hidden=40, vocab=50, n_heads=4, n_kv_heads=2, head_dim=8, classes=37)
+# the options of the second variant of a kind (the first has the shipped models' values): RoPE
+# bases other than 10000 (issue 17: a hard-coded base must fail), an attention scale other than
+# 1/sqrt(head_dim) (Gemma's query_pre_attn_scalar), an embedding scale of sqrt(dim) (Gemma)
+ROPE_THETAS = {"rope": 50000.0, "rope_local": 10000.0}
+ATTENTION_SCALES = {"attn": 1.0 / DIMS["head_dim"] ** 0.5, "attn_scaled": 0.3}
+EMBEDDING_SCALES = {"tok": 1.0, "tok_scaled": DIMS["dim"] ** 0.5}
+NORM_EPS = {"norm": 1e-5, "norm_offset": 1e-6, "q_norm": 1e-6, "k_norm": 1e-6}
+UNIT_OFFSET = {"norm": False, "norm_offset": True, "q_norm": False, "k_norm": True}
 
 
 def all_blocks(target: str) -> list[tuple[str, dict]]:
     d = DIMS
+    heads = dict(n_heads=d["n_heads"], n_kv_heads=d["n_kv_heads"], head_dim=d["head_dim"])
     blocks = [
         ("linear", dict(p="fc_bias", in_features=d["dim"], out_features=d["hidden"], bias=True)),
         ("linear", dict(p="fc", in_features=d["dim"], out_features=d["hidden"], bias=False)),
-        ("embedding", dict(p="tok", vocab_size=d["vocab"], dim=d["dim"])),
-        ("rmsnorm", dict(p="norm", dim=d["dim"], eps=1e-5)),
-        ("rope", dict(p="rope", head_dim=d["head_dim"], theta=10000.0, max_seq_len=32)),
-        (
-            "attention",
-            dict(
-                p="attn", n_heads=d["n_heads"], n_kv_heads=d["n_kv_heads"], head_dim=d["head_dim"]
-            ),
-        ),
+        *[("embedding", dict(p=p, vocab_size=d["vocab"], dim=d["dim"], scale=scale))
+          for p, scale in EMBEDDING_SCALES.items()],
+        *[("rmsnorm", dict(p=p, dim=d["dim"], eps=NORM_EPS[p], unit_offset=UNIT_OFFSET[p]))
+          for p in ("norm", "norm_offset")],
+        # QK-norm: the query heads' without offset (Qwen3), the kv heads' with (Gemma 3)
+        *[("head_rmsnorm", dict(p=p, n_heads=n_heads, head_dim=d["head_dim"], eps=NORM_EPS[p],
+                                unit_offset=UNIT_OFFSET[p]))
+          for p, n_heads in (("q_norm", d["n_heads"]), ("k_norm", d["n_kv_heads"]))],
+        *[("rope", dict(p=p, head_dim=d["head_dim"], theta=theta, max_seq_len=32))
+          for p, theta in ROPE_THETAS.items()],
+        *[("attention", dict(p=p, **heads, scale=scale)) for p, scale in ATTENTION_SCALES.items()],
         ("swiglu", dict(p="mlp", dim=d["dim"], hidden=d["hidden"])),
+        ("geglu", dict(p="geglu", dim=d["dim"], hidden=d["hidden"])),
         ("silu", dict(p="silu")),
         ("gelu", dict(p="gelu")),
         ("relu", dict(p="relu")),

@@ -21,7 +21,9 @@ HEADERS = {
     "cuda": "import math\n\nimport numpy as np\nfrom numba import cuda\n",
 }
 # CPU kinds whose kernels call the vectorizable exp, sum or max of `cpu/vector_math.py.j2`
-VECTOR_MATH_KINDS = {"attention", "cross_entropy", "rmsnorm", "silu", "swiglu"}
+VECTOR_MATH_KINDS = {
+    "attention", "cross_entropy", "geglu", "head_rmsnorm", "rmsnorm", "silu", "swiglu",
+}
 VECTOR_MATH_IMPORTS = "from numba.extending import overload\n"
 
 ENVIRONMENT = jinja2.Environment(
