@@ -196,11 +196,10 @@ def test_rmsnorm(k, dtype, n, prefix):
 
 def fused_qkv_views(buffer):
     """The q, k, v views (N, heads, head_dim) of a fused (N, (H + 2 KV) * head_dim) buffer, as the
-    planner hands them to the QK-norm: last axis contiguous, row stride that of the whole buffer."""
-    n = buffer.shape[0]
-    q = buffer[:, : H * HD].reshape(n, H, HD)
-    k_ = buffer[:, H * HD : (H + KV) * HD].reshape(n, KV, HD)
-    v = buffer[:, (H + KV) * HD :].reshape(n, KV, HD)
+    planner hands them to the QK-norm: last axis contiguous, row stride that of the whole buffer.
+    (Reshaped whole, then sliced: that also makes views of a CUDA device array.)"""
+    heads = buffer.reshape(buffer.shape[0], H + 2 * KV, HD)
+    q, k_, v = heads[:, :H], heads[:, H : H + KV], heads[:, H + KV :]
     assert all(np.shares_memory(a, buffer) for a in (q, k_, v))
     return q, k_, v
 
