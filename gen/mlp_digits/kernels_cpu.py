@@ -32,6 +32,17 @@ EXP_F32_POLYNOMIAL = (
 )
 F32_HALF = np.float32(0.5)
 F32_ONE = np.float32(1.0)
+# GELU, tanh approximation (torch's gelu(x, approximate="tanh")):
+#   gelu_tanh(x) = 0.5 x (1 + tanh(u)), u = sqrt(2/π) (x + 0.044715 x³),
+# computed as x * sigmoid(2u) (the same function: 0.5 (1 + tanh(u)) = sigmoid(2u)), which needs only
+# the vectorizable exp and keeps its relative precision where 1 + tanh(u) would cancel (x << 0).
+# The constants exist in each dtype, so that float32 arithmetic stays float32.
+GELU_TANH_TWO_SQRT_2_OVER_PI = 2.0 * math.sqrt(2.0 / math.pi)
+GELU_TANH_CUBIC = 0.044715
+GELU_TANH_THREE_CUBIC = 3.0 * GELU_TANH_CUBIC
+F32_GELU_TANH_TWO_SQRT_2_OVER_PI = np.float32(GELU_TANH_TWO_SQRT_2_OVER_PI)
+F32_GELU_TANH_CUBIC = np.float32(GELU_TANH_CUBIC)
+F32_GELU_TANH_THREE_CUBIC = np.float32(GELU_TANH_THREE_CUBIC)
 # lanes of the running maximum: one AVX-512 register of float32
 MAX_LANES = 16
 
@@ -44,6 +55,21 @@ def exp_vectorizable(x):
 def sigmoid_vectorizable(x):
     """1 / (1 + exp(-x)) in x's dtype; the overload below is what the kernels compile."""
     return 1.0 / (1.0 + math.exp(-x))
+
+
+def gelu_tanh_vectorizable(x):
+    """gelu_tanh(x) in x's dtype; the overload below is what the kernels compile."""
+    return gelu_tanh_with_derivative_vectorizable(x)[0]
+
+
+def gelu_tanh_with_derivative_vectorizable(x):
+    """(gelu_tanh(x), gelu_tanh'(x)) in x's dtype; the overload below is what the kernels compile.
+    With s = sigmoid(z), z = 2u: gelu_tanh = x s, and gelu_tanh' = s + x s (1 - s) dz/dx,
+    dz/dx = 2 sqrt(2/π) (1 + 3 * 0.044715 x²)."""
+    z = GELU_TANH_TWO_SQRT_2_OVER_PI * (x + GELU_TANH_CUBIC * x * x * x)
+    s = 1.0 / (1.0 + math.exp(-z))
+    slope = GELU_TANH_TWO_SQRT_2_OVER_PI * (1.0 + GELU_TANH_THREE_CUBIC * x * x)
+    return x * s, s + x * s * (1.0 - s) * slope
 
 
 @njit(cache=True)
@@ -73,6 +99,50 @@ def sigmoid_vectorizable_overload(x):
     return lambda x: 1.0 / (1.0 + math.exp(-x))
 
 
+@njit(cache=True)
+def gelu_tanh_gate_float32(x):
+    # (s, 1 - s) with s = sigmoid(2u) of a float32 x, the gate in gelu_tanh(x) = x s. 1 - s is
+    # e s, e = exp(-2u) (finite: exp_float32 clamps it), without the cancellation of 1 - s near s = 1
+    z = F32_GELU_TANH_TWO_SQRT_2_OVER_PI * (x + F32_GELU_TANH_CUBIC * x * x * x)
+    e = exp_float32(-z)
+    s = F32_ONE / (F32_ONE + e)
+    return s, e * s
+
+
+@njit(cache=True)
+def gelu_tanh_gate_float64(x):
+    # as gelu_tanh_gate_float32; here exp may overflow to inf (s = 0), so 1 - s is taken directly
+    z = GELU_TANH_TWO_SQRT_2_OVER_PI * (x + GELU_TANH_CUBIC * x * x * x)
+    s = 1.0 / (1.0 + math.exp(-z))
+    return s, 1.0 - s
+
+
+@overload(gelu_tanh_vectorizable)
+def gelu_tanh_vectorizable_overload(x):
+    if x == types.float32:
+        return lambda x: x * gelu_tanh_gate_float32(x)[0]
+    return lambda x: x * gelu_tanh_gate_float64(x)[0]
+
+
+@overload(gelu_tanh_with_derivative_vectorizable)
+def gelu_tanh_with_derivative_vectorizable_overload(x):
+    if x == types.float32:
+
+        def float32_impl(x):
+            s, one_minus_s = gelu_tanh_gate_float32(x)
+            slope = F32_GELU_TANH_TWO_SQRT_2_OVER_PI * (F32_ONE + F32_GELU_TANH_THREE_CUBIC * x * x)
+            return x * s, s + x * s * one_minus_s * slope
+
+        return float32_impl
+
+    def float64_impl(x):
+        s, one_minus_s = gelu_tanh_gate_float64(x)
+        slope = GELU_TANH_TWO_SQRT_2_OVER_PI * (1.0 + GELU_TANH_THREE_CUBIC * x * x)
+        return x * s, s + x * s * one_minus_s * slope
+
+    return float64_impl
+
+
 @njit(cache=True, fastmath={"reassoc"})
 def sum_float64(x):
     # the sum of a 1-D array, accumulated in float64; reassociation lets LLVM keep a vector of
@@ -98,6 +168,16 @@ def weighted_dot_float64(x, y, weight):
     total = 0.0
     for i in range(x.shape[0]):
         total += np.float64(x[i]) * np.float64(y[i]) * np.float64(weight[i])
+    return total
+
+
+@njit(cache=True, fastmath={"reassoc"})
+def unit_offset_weighted_dot_float64(x, y, weight):
+    # sum_i x[i] y[i] (1 + weight[i]) of three 1-D arrays, in float64, vectorized as sum_float64; the
+    # gain 1 + weight[i] is rounded to weight's dtype first, as the unit-offset RMSNorm forward uses it
+    total = 0.0
+    for i in range(x.shape[0]):
+        total += np.float64(x[i]) * np.float64(y[i]) * np.float64(weight[i] + F32_ONE)
     return total
 
 

@@ -32,6 +32,17 @@ EXP_F32_POLYNOMIAL = (
 )
 F32_HALF = np.float32(0.5)
 F32_ONE = np.float32(1.0)
+# GELU, tanh approximation (torch's gelu(x, approximate="tanh")):
+#   gelu_tanh(x) = 0.5 x (1 + tanh(u)), u = sqrt(2/π) (x + 0.044715 x³),
+# computed as x * sigmoid(2u) (the same function: 0.5 (1 + tanh(u)) = sigmoid(2u)), which needs only
+# the vectorizable exp and keeps its relative precision where 1 + tanh(u) would cancel (x << 0).
+# The constants exist in each dtype, so that float32 arithmetic stays float32.
+GELU_TANH_TWO_SQRT_2_OVER_PI = 2.0 * math.sqrt(2.0 / math.pi)
+GELU_TANH_CUBIC = 0.044715
+GELU_TANH_THREE_CUBIC = 3.0 * GELU_TANH_CUBIC
+F32_GELU_TANH_TWO_SQRT_2_OVER_PI = np.float32(GELU_TANH_TWO_SQRT_2_OVER_PI)
+F32_GELU_TANH_CUBIC = np.float32(GELU_TANH_CUBIC)
+F32_GELU_TANH_THREE_CUBIC = np.float32(GELU_TANH_THREE_CUBIC)
 # lanes of the running maximum: one AVX-512 register of float32
 MAX_LANES = 16
 
@@ -44,6 +55,21 @@ def exp_vectorizable(x):
 def sigmoid_vectorizable(x):
     """1 / (1 + exp(-x)) in x's dtype; the overload below is what the kernels compile."""
     return 1.0 / (1.0 + math.exp(-x))
+
+
+def gelu_tanh_vectorizable(x):
+    """gelu_tanh(x) in x's dtype; the overload below is what the kernels compile."""
+    return gelu_tanh_with_derivative_vectorizable(x)[0]
+
+
+def gelu_tanh_with_derivative_vectorizable(x):
+    """(gelu_tanh(x), gelu_tanh'(x)) in x's dtype; the overload below is what the kernels compile.
+    With s = sigmoid(z), z = 2u: gelu_tanh = x s, and gelu_tanh' = s + x s (1 - s) dz/dx,
+    dz/dx = 2 sqrt(2/π) (1 + 3 * 0.044715 x²)."""
+    z = GELU_TANH_TWO_SQRT_2_OVER_PI * (x + GELU_TANH_CUBIC * x * x * x)
+    s = 1.0 / (1.0 + math.exp(-z))
+    slope = GELU_TANH_TWO_SQRT_2_OVER_PI * (1.0 + GELU_TANH_THREE_CUBIC * x * x)
+    return x * s, s + x * s * (1.0 - s) * slope
 
 
 @njit(cache=True)
@@ -73,6 +99,50 @@ def sigmoid_vectorizable_overload(x):
     return lambda x: 1.0 / (1.0 + math.exp(-x))
 
 
+@njit(cache=True)
+def gelu_tanh_gate_float32(x):
+    # (s, 1 - s) with s = sigmoid(2u) of a float32 x, the gate in gelu_tanh(x) = x s. 1 - s is
+    # e s, e = exp(-2u) (finite: exp_float32 clamps it), without the cancellation of 1 - s near s = 1
+    z = F32_GELU_TANH_TWO_SQRT_2_OVER_PI * (x + F32_GELU_TANH_CUBIC * x * x * x)
+    e = exp_float32(-z)
+    s = F32_ONE / (F32_ONE + e)
+    return s, e * s
+
+
+@njit(cache=True)
+def gelu_tanh_gate_float64(x):
+    # as gelu_tanh_gate_float32; here exp may overflow to inf (s = 0), so 1 - s is taken directly
+    z = GELU_TANH_TWO_SQRT_2_OVER_PI * (x + GELU_TANH_CUBIC * x * x * x)
+    s = 1.0 / (1.0 + math.exp(-z))
+    return s, 1.0 - s
+
+
+@overload(gelu_tanh_vectorizable)
+def gelu_tanh_vectorizable_overload(x):
+    if x == types.float32:
+        return lambda x: x * gelu_tanh_gate_float32(x)[0]
+    return lambda x: x * gelu_tanh_gate_float64(x)[0]
+
+
+@overload(gelu_tanh_with_derivative_vectorizable)
+def gelu_tanh_with_derivative_vectorizable_overload(x):
+    if x == types.float32:
+
+        def float32_impl(x):
+            s, one_minus_s = gelu_tanh_gate_float32(x)
+            slope = F32_GELU_TANH_TWO_SQRT_2_OVER_PI * (F32_ONE + F32_GELU_TANH_THREE_CUBIC * x * x)
+            return x * s, s + x * s * one_minus_s * slope
+
+        return float32_impl
+
+    def float64_impl(x):
+        s, one_minus_s = gelu_tanh_gate_float64(x)
+        slope = GELU_TANH_TWO_SQRT_2_OVER_PI * (1.0 + GELU_TANH_THREE_CUBIC * x * x)
+        return x * s, s + x * s * one_minus_s * slope
+
+    return float64_impl
+
+
 @njit(cache=True, fastmath={"reassoc"})
 def sum_float64(x):
     # the sum of a 1-D array, accumulated in float64; reassociation lets LLVM keep a vector of
@@ -98,6 +168,16 @@ def weighted_dot_float64(x, y, weight):
     total = 0.0
     for i in range(x.shape[0]):
         total += np.float64(x[i]) * np.float64(y[i]) * np.float64(weight[i])
+    return total
+
+
+@njit(cache=True, fastmath={"reassoc"})
+def unit_offset_weighted_dot_float64(x, y, weight):
+    # sum_i x[i] y[i] (1 + weight[i]) of three 1-D arrays, in float64, vectorized as sum_float64; the
+    # gain 1 + weight[i] is rounded to weight's dtype first, as the unit-offset RMSNorm forward uses it
+    total = 0.0
+    for i in range(x.shape[0]):
+        total += np.float64(x[i]) * np.float64(y[i]) * np.float64(weight[i] + F32_ONE)
     return total
 
 
@@ -261,17 +341,20 @@ def qkv_proj_backward(x, w, dy, dx, dw):
 
 
 # Causal grouped-query attention attention: n_heads=9, n_kv_heads=3, head_dim=64.
-# Query head h reads kv head h // 3; scores are scaled by 1/sqrt(64).
+# Query head h reads kv head h // 3; scores are scaled by 0.125.
+# The forward and backward take a window: 0 for global causal attention (t attends to every j <= t),
+# W > 0 for sliding-window attention, t attending to t - W < j <= t (transformers'
+# sliding_window_overlay: kv_idx > q_idx - sliding_window); W >= T is the global result, bit for bit.
 ATTENTION_N_HEADS = 9
 ATTENTION_N_KV_HEADS = 3
 ATTENTION_GROUP = 3
 ATTENTION_HEAD_DIM = 64
-ATTENTION_SCALE = 1.0 / math.sqrt(64)
+ATTENTION_SCALE = 0.125
 # The four products run through numpy's OpenBLAS, one (G*T x ...) product per (batch, kv head): the
 # 3 query heads of a group are stacked as rows, so Q is viewed as (B, 3, G*T, 64) against
 # K (B, 3, T, 64). K, V, dK, dV are used as strided views of the caller's (B, T, 3, 64)
 # arrays (BLAS takes the row stride); Q, O, dO, dQ need head-major copies in scratch buffers.
-# The products are full (T x T); the causal mask is applied in the fused softmax kernels.
+# The products are full (T x T); the causal (and window) mask is applied in the fused softmax kernels.
 # Scratch: one set per (B, T, dtype), allocated on first use, so nothing is allocated in the step.
 ATTENTION_SCRATCH = {}
 
@@ -309,40 +392,49 @@ def attention_split_heads(x):
     return np.lib.stride_tricks.as_strided(x, shape, (s0, s1, ATTENTION_HEAD_DIM * s2, s2))
 
 
+@njit(cache=True)
+def attention_window_start(t, window):
+    # the first position that position t attends to
+    return max(t - window + 1, 0) if window > 0 else 0
+
+
 @njit(cache=True, parallel=True)
-def attention_softmax_forward_kernel(scores, scale, att, lanes):
+def attention_softmax_forward_kernel(scores, scale, att, lanes, window):
     # scores is (B, 3, G*T, T) = Q Kᵀ unscaled, att is (B, 9, T, T). Per row (b, h, t):
-    # att[t, j] = softmax over j <= t of scale s[t, j], 0 above the diagonal (the full product computed
-    # those scores too; they are ignored here). exp in the input's dtype, the row sum in float64.
-    # lanes is (B * 9 * T, MAX_LANES) scratch for the row max.
+    # att[t, j] = softmax over start <= j <= t of scale s[t, j] (start = attention_window_start(t, window)),
+    # 0 elsewhere (the full product computed those scores too; they are ignored here). exp in the
+    # input's dtype, the row sum in float64. lanes is (B * 9 * T, MAX_LANES) scratch for the row max.
     n_batch, n_tokens = att.shape[0], att.shape[2]
     for row in prange(n_batch * ATTENTION_N_HEADS * n_tokens):
         b = row // (ATTENTION_N_HEADS * n_tokens)
         h = (row // n_tokens) % ATTENTION_N_HEADS
         t = row % n_tokens
-        s = scores[b, h // ATTENTION_GROUP, (h % ATTENTION_GROUP) * n_tokens + t, : t + 1]
+        start = attention_window_start(t, window)
+        s = scores[b, h // ATTENTION_GROUP, (h % ATTENTION_GROUP) * n_tokens + t, start : t + 1]
         a = att[b, h, t]
         row_max = max_value(s, lanes[row])
-        for j in range(t + 1):
-            a[j] = exp_vectorizable((s[j] - row_max) * scale)
-        inv_total = 1.0 / sum_float64(a[: t + 1])
-        for j in range(t + 1):
+        for j in range(start):
+            a[j] = 0.0
+        for j in range(start, t + 1):
+            a[j] = exp_vectorizable((s[j - start] - row_max) * scale)
+        inv_total = 1.0 / sum_float64(a[start : t + 1])
+        for j in range(start, t + 1):
             a[j] *= inv_total
         for j in range(t + 1, n_tokens):
             a[j] = 0.0
 
 
-def attention_forward(q, k, v, att, out):
+def attention_forward(q, k, v, att, out, window=0):
     # q is (B, T, 9, 64), k and v are (B, T, 3, 64),
-    # att is (B, 9, T, T): the softmax probabilities (0 above the diagonal), saved for the backward,
-    # out is (B, T, 9 * 64).
+    # att is (B, 9, T, T): the softmax probabilities (0 outside the causal window), saved for the backward,
+    # out is (B, T, 9 * 64); window: 0 (global) or W > 0 (sliding, t - W < j <= t).
     # S = Q Kᵀ, P = softmax(scale S) causal, O = P V (the backward names the Lean laws of each product).
     n_batch, n_tokens = q.shape[0], q.shape[1]
     heads, rows, scores, lanes = attention_scratch(n_batch, n_tokens, q.dtype)
     np.copyto(attention_head_major(heads, n_batch, n_tokens), q.transpose(0, 2, 1, 3))
     # S = Q Kᵀ: (G*T, 64) (64, T) per (b, kv head)
     np.matmul(heads, k.transpose(0, 2, 3, 1), out=scores)
-    attention_softmax_forward_kernel(scores, att.dtype.type(ATTENTION_SCALE), att, lanes)
+    attention_softmax_forward_kernel(scores, att.dtype.type(ATTENTION_SCALE), att, lanes, window)
     # O = P V: (G*T, T) (T, 64) per (b, kv head); att is read through a (G*T, T) view
     probs = att.reshape(n_batch, ATTENTION_N_KV_HEADS, ATTENTION_GROUP * n_tokens, n_tokens)
     np.matmul(probs, v.transpose(0, 2, 1, 3), out=rows)
@@ -353,26 +445,31 @@ def attention_forward(q, k, v, att, out):
 
 
 @njit(cache=True, parallel=True)
-def attention_softmax_backward_kernel(probs, scale, grad):
+def attention_softmax_backward_kernel(probs, scale, grad, window):
     # probs (P) and grad are (B, 3, G*T, T); grad holds dP and is overwritten with
-    # dS = scale P ⊙ (dP - rowsum(P ⊙ dP)), the row sum over j <= t in float64.
+    # dS = scale P ⊙ (dP - rowsum(P ⊙ dP)), the row sum over the window start <= j <= t in float64,
+    # and 0 outside it.
     n_batch, n_rows, n_tokens = probs.shape[0], probs.shape[2], probs.shape[3]
     for row in prange(n_batch * ATTENTION_N_KV_HEADS * n_rows):
         b = row // (ATTENTION_N_KV_HEADS * n_rows)
         g = (row // n_rows) % ATTENTION_N_KV_HEADS
         r = row % n_rows
         t = r % n_tokens
+        start = attention_window_start(t, window)
         a, d = probs[b, g, r], grad[b, g, r]
-        row_dot = dot_float64(a[: t + 1], d[: t + 1])
-        for j in range(t + 1):
+        row_dot = dot_float64(a[start : t + 1], d[start : t + 1])
+        for j in range(start):
+            d[j] = 0.0
+        for j in range(start, t + 1):
             d[j] = a[j] * (d[j] - row_dot) * scale
         for j in range(t + 1, n_tokens):
             d[j] = 0.0
 
 
-def attention_backward(q, k, v, att, dout, dq, dk, dv):
+def attention_backward(q, k, v, att, dout, dq, dk, dv, window=0):
     # in the forward pass this was:
-    #   S = Q Kᵀ;  P = softmax(scale S) causal;  O = P V      (per (b, kv head), the group's heads as rows)
+    #   S = Q Kᵀ;  P = softmax(scale S) causal, within the window;  O = P V
+    #   (per (b, kv head), the group's heads as rows)
     # so now we have:
     #   dP = dO Vᵀ                                Lean law matmul_adjoint_left  (dA = G Bᵀ)
     #   dV = Pᵀ dO                                Lean law matmul_adjoint_right (dB = Aᵀ G)
@@ -395,7 +492,7 @@ def attention_backward(q, k, v, att, dout, dq, dk, dv):
     np.matmul(rows, v.transpose(0, 2, 3, 1), out=grad)
     # dV = Pᵀ dO (matmul_adjoint_right), summed over the group inside the product
     np.matmul(probs.transpose(0, 1, 3, 2), rows, out=dv.transpose(0, 2, 1, 3))
-    attention_softmax_backward_kernel(probs, att.dtype.type(ATTENTION_SCALE), grad)
+    attention_softmax_backward_kernel(probs, att.dtype.type(ATTENTION_SCALE), grad, window)
     # dQ = dS K (matmul_adjoint_left)
     np.matmul(grad, k.transpose(0, 2, 1, 3), out=rows)
     np.copyto(dq.transpose(0, 2, 1, 3), attention_head_major(rows, n_batch, n_tokens))
@@ -405,11 +502,13 @@ def attention_backward(q, k, v, att, dout, dq, dk, dv):
 
 
 @njit(cache=True, parallel=True)
-def attention_decode(q, k_cache, v_cache, length, out):
-    # one new token per sequence, attending to cached positions 0..length-1 (the caller has written the
-    # new token's k, v at position length-1). q is (B, 1, 9, 64),
-    # k_cache, v_cache are (B, max_seq_len, 3, 64), out is (B, 1, 9 * 64).
-    # Online softmax (running max, rescaled partial sums): O(length) and nothing allocated.
+def attention_decode(q, k_cache, v_cache, n_valid, out):
+    # one new token per sequence, attending to cache slots 0..n_valid-1 (the caller has written the
+    # new token's k, v into one of them). The slots need not be in position order: a sliding layer's
+    # cache is a ring buffer of its window, and the softmax and its weighted sum of v do not depend on
+    # the order (up to rounding). q is (B, 1, 9, 64), k_cache, v_cache are
+    # (B, slots, 3, 64), out is (B, 1, 9 * 64).
+    # Online softmax (running max, rescaled partial sums): O(n_valid) and nothing allocated.
     n_batch = q.shape[0]
     out4 = out.reshape(n_batch, 1, ATTENTION_N_HEADS, ATTENTION_HEAD_DIM)
     for bh in prange(n_batch * ATTENTION_N_HEADS):
@@ -420,7 +519,7 @@ def attention_decode(q, k_cache, v_cache, length, out):
         total = 0.0
         for d in range(ATTENTION_HEAD_DIM):
             out4[b, 0, h, d] = 0.0
-        for j in range(length):
+        for j in range(n_valid):
             s = 0.0
             for d in range(ATTENTION_HEAD_DIM):
                 s += q[b, 0, h, d] * k_cache[b, j, g, d]

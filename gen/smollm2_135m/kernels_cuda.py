@@ -370,21 +370,30 @@ def qkv_proj_backward(x, w, dy, dx, dw):
 
 
 # Causal grouped-query attention attention (CUDA): n_heads=9, n_kv_heads=3, head_dim=64.
-# Query head h reads kv head h // 3; scores are scaled by 1/sqrt(64).
+# Query head h reads kv head h // 3; scores are scaled by 0.125.
+# The forward and backward take a window: 0 for global causal attention (t attends to every j <= t),
+# W > 0 for sliding-window attention, t attending to t - W < j <= t (transformers'
+# sliding_window_overlay: kv_idx > q_idx - sliding_window); W >= T is the global result, bit for bit.
 # One thread per query row (b, h, t) for the forward and for dq; one thread per (b, j, kv head, d)
 # for dk and dv, summing the group's heads and the rows in order: deterministic, no atomics.
 ATTENTION_N_HEADS = 9
 ATTENTION_N_KV_HEADS = 3
 ATTENTION_GROUP = 3
 ATTENTION_HEAD_DIM = 64
-ATTENTION_SCALE = 1.0 / math.sqrt(64)
+ATTENTION_SCALE = 0.125
 # row_dot[b, h, t] = sum_j att[t, j] datt[t, j], kept between the backward's two kernels: one
 # device buffer per (B, H, T, dtype), allocated on first use
 ATTENTION_ROW_DOT = {}
 
 
+@cuda.jit(device=True)
+def attention_window_start(t, window):
+    # the first position that position t attends to
+    return max(t - window + 1, 0) if window > 0 else 0
+
+
 @cuda.jit
-def attention_forward_kernel(q, k, v, att, out):
+def attention_forward_kernel(q, k, v, att, out, window):
     # q is (B, T, 9, 64), k, v are (B, T, 3, 64),
     # att is (B, 9, T, T), out is (B, T, 9, 64)
     index = cuda.grid(1)
@@ -395,8 +404,11 @@ def attention_forward_kernel(q, k, v, att, out):
     h = (index // n_tokens) % ATTENTION_N_HEADS
     b = index // (n_tokens * ATTENTION_N_HEADS)
     g = h // ATTENTION_GROUP
+    start = attention_window_start(t, window)
     row_max = -math.inf
-    for j in range(t + 1):
+    for j in range(start):
+        att[b, h, t, j] = 0.0
+    for j in range(start, t + 1):
         s = 0.0
         for d in range(ATTENTION_HEAD_DIM):
             s += q[b, t, h, d] * k[b, j, g, d]
@@ -404,25 +416,25 @@ def attention_forward_kernel(q, k, v, att, out):
         att[b, h, t, j] = s
         row_max = max(row_max, s)
     total = 0.0
-    for j in range(t + 1):
+    for j in range(start, t + 1):
         e = math.exp(att[b, h, t, j] - row_max)
         att[b, h, t, j] = e
         total += e
     inv_total = 1.0 / total
-    for j in range(t + 1):
+    for j in range(start, t + 1):
         att[b, h, t, j] *= inv_total
     for j in range(t + 1, n_tokens):
         att[b, h, t, j] = 0.0
     for d in range(ATTENTION_HEAD_DIM):
         out[b, t, h, d] = 0.0
-    for j in range(t + 1):
+    for j in range(start, t + 1):
         a = att[b, h, t, j]
         for d in range(ATTENTION_HEAD_DIM):
             out[b, t, h, d] += a * v[b, j, g, d]
 
 
 @cuda.jit
-def attention_backward_query_kernel(k, v, att, dout, dq, row_dot):
+def attention_backward_query_kernel(k, v, att, dout, dq, row_dot, window):
     # per query row: row_dot = sum_j att datt, then dq[t] = scale sum_j ds[t, j] k[j]
     index = cuda.grid(1)
     n_tokens = k.shape[1]
@@ -432,8 +444,9 @@ def attention_backward_query_kernel(k, v, att, dout, dq, row_dot):
     h = (index // n_tokens) % ATTENTION_N_HEADS
     b = index // (n_tokens * ATTENTION_N_HEADS)
     g = h // ATTENTION_GROUP
+    start = attention_window_start(t, window)
     acc = 0.0
-    for j in range(t + 1):
+    for j in range(start, t + 1):
         datt = 0.0
         for d in range(ATTENTION_HEAD_DIM):
             datt += dout[b, t, h, d] * v[b, j, g, d]
@@ -441,7 +454,7 @@ def attention_backward_query_kernel(k, v, att, dout, dq, row_dot):
     row_dot[b, h, t] = acc
     for d in range(ATTENTION_HEAD_DIM):
         dq[b, t, h, d] = 0.0
-    for j in range(t + 1):
+    for j in range(start, t + 1):
         datt = 0.0
         for d in range(ATTENTION_HEAD_DIM):
             datt += dout[b, t, h, d] * v[b, j, g, d]
@@ -451,9 +464,10 @@ def attention_backward_query_kernel(k, v, att, dout, dq, row_dot):
 
 
 @cuda.jit
-def attention_backward_key_kernel(q, v, att, dout, row_dot, dk, dv):
-    # per (b, j, kv head g, d): dv = sum_{h in g, t >= j} att[t, j] dout[t, h, d],
-    # dk = sum_{h in g, t >= j} scale ds[t, j] q[t, h, d]
+def attention_backward_key_kernel(q, v, att, dout, row_dot, dk, dv, window):
+    # per (b, j, kv head g, d): dv = sum_{h in g, t attending to j} att[t, j] dout[t, h, d],
+    # dk = sum_{h in g, t attending to j} scale ds[t, j] q[t, h, d]; t attends to j for
+    # j <= t < j + window (window > 0), or j <= t (window 0)
     index = cuda.grid(1)
     n_tokens = q.shape[1]
     if index >= q.shape[0] * n_tokens * ATTENTION_N_KV_HEADS * ATTENTION_HEAD_DIM:
@@ -464,8 +478,9 @@ def attention_backward_key_kernel(q, v, att, dout, row_dot, dk, dv):
     b = index // (ATTENTION_HEAD_DIM * ATTENTION_N_KV_HEADS * n_tokens)
     dk[b, j, g, d] = 0.0
     dv[b, j, g, d] = 0.0
+    stop = min(j + window, n_tokens) if window > 0 else n_tokens
     for h in range(g * ATTENTION_GROUP, (g + 1) * ATTENTION_GROUP):
-        for t in range(j, n_tokens):
+        for t in range(j, stop):
             a = att[b, h, t, j]
             datt = 0.0
             for e in range(ATTENTION_HEAD_DIM):
@@ -476,8 +491,8 @@ def attention_backward_key_kernel(q, v, att, dout, row_dot, dk, dv):
 
 
 @cuda.jit
-def attention_decode_kernel(q, k_cache, v_cache, length, out):
-    # one thread per (b, h); online softmax over cached positions 0..length-1
+def attention_decode_kernel(q, k_cache, v_cache, n_valid, out):
+    # one thread per (b, h); online softmax over cache slots 0..n_valid-1
     index = cuda.grid(1)
     if index >= q.shape[0] * ATTENTION_N_HEADS:
         return
@@ -488,7 +503,7 @@ def attention_decode_kernel(q, k_cache, v_cache, length, out):
     total = 0.0
     for d in range(ATTENTION_HEAD_DIM):
         out[b, 0, h, d] = 0.0
-    for j in range(length):
+    for j in range(n_valid):
         s = 0.0
         for d in range(ATTENTION_HEAD_DIM):
             s += q[b, 0, h, d] * k_cache[b, j, g, d]
@@ -508,20 +523,20 @@ def attention_decode_kernel(q, k_cache, v_cache, length, out):
         out[b, 0, h, d] *= inv_total
 
 
-def attention_forward(q, k, v, att, out):
+def attention_forward(q, k, v, att, out, window=0):
     # q is (B, T, 9, 64), k and v are (B, T, 3, 64),
-    # att is (B, 9, T, T): softmax probabilities (0 above the diagonal), saved for the backward,
-    # out is (B, T, 9 * 64).
-    # s[t, j] = q[t] . k[j] * scale; att[t] = softmax(s[t, :t+1]); out[t] = sum_j att[t, j] v[j]
+    # att is (B, 9, T, T): softmax probabilities (0 outside the causal window), saved for the backward,
+    # out is (B, T, 9 * 64); window: 0 (global) or W > 0 (sliding, t - W < j <= t).
+    # s[t, j] = q[t] . k[j] * scale; att[t] = softmax(s[t, start:t+1]); out[t] = sum_j att[t, j] v[j]
     n_batch, n_tokens = q.shape[0], q.shape[1]
     out4 = out.reshape(n_batch, n_tokens, ATTENTION_N_HEADS, ATTENTION_HEAD_DIM)
     rows = n_batch * ATTENTION_N_HEADS * n_tokens
-    attention_forward_kernel[(rows + 63) // 64, 64](q, k, v, att, out4)
+    attention_forward_kernel[(rows + 63) // 64, 64](q, k, v, att, out4, window)
 
 
-def attention_backward(q, k, v, att, dout, dq, dk, dv):
+def attention_backward(q, k, v, att, dout, dq, dk, dv, window=0):
     # in the forward pass this was:
-    #   s[t, j] = q[t] . k[j] * scale;  att[t] = softmax(s[t, :t+1]);  out[t] = sum_j att[t, j] v[j]
+    #   s[t, j] = q[t] . k[j] * scale;  att[t] = softmax(s[t, start:t+1]);  out[t] = sum_j att[t, j] v[j]
     # so now we have:
     #   datt[t, j] = dout[t] . v[j]              Lean law matmul_adjoint_left  (dA = G Bᵀ)
     #   dv[j] = sum_t att[t, j] dout[t]          Lean law matmul_adjoint_right (dB = Aᵀ G)
@@ -538,18 +553,19 @@ def attention_backward(q, k, v, att, dout, dq, dk, dv):
         ATTENTION_ROW_DOT[key] = cuda.device_array(shape, dtype=np.float64)
     row_dot = ATTENTION_ROW_DOT[key]
     rows = n_batch * ATTENTION_N_HEADS * n_tokens
-    attention_backward_query_kernel[(rows + 63) // 64, 64](k, v, att, dout4, dq, row_dot)
+    attention_backward_query_kernel[(rows + 63) // 64, 64](k, v, att, dout4, dq, row_dot, window)
     cells = n_batch * n_tokens * ATTENTION_N_KV_HEADS * ATTENTION_HEAD_DIM
-    attention_backward_key_kernel[(cells + 63) // 64, 64](q, v, att, dout4, row_dot, dk, dv)
+    attention_backward_key_kernel[(cells + 63) // 64, 64](q, v, att, dout4, row_dot, dk, dv, window)
 
 
-def attention_decode(q, k_cache, v_cache, length, out):
-    # q is (B, 1, 9, 64), k_cache, v_cache are (B, max_seq_len, 3, 64)
-    # holding positions 0..length-1, out is (B, 1, 9 * 64). O(length).
+def attention_decode(q, k_cache, v_cache, n_valid, out):
+    # q is (B, 1, 9, 64), k_cache, v_cache are (B, slots, 3, 64) whose
+    # slots 0..n_valid-1 hold the positions attended to, in any order (a sliding layer's ring buffer),
+    # out is (B, 1, 9 * 64). O(n_valid).
     n_batch = q.shape[0]
     out4 = out.reshape(n_batch, 1, ATTENTION_N_HEADS, ATTENTION_HEAD_DIM)
     rows = n_batch * ATTENTION_N_HEADS
-    attention_decode_kernel[(rows + 63) // 64, 64](q, k_cache, v_cache, length, out4)
+    attention_decode_kernel[(rows + 63) // 64, 64](q, k_cache, v_cache, n_valid, out4)
 
 
 # Linear layer o_proj (CUDA): y = x @ w.T, in_features=576, out_features=576.
