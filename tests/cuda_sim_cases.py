@@ -186,7 +186,14 @@ def test_attention(cpu, gpu, dtype, window, prefix):
     same(host, dev)
     att = host[3]
     grads = [np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)]
-    same(*run_both(*both("backward"), q, k, v, att, dout, *grads, scalars=(window,))[:2])
+    backward = run_both(*both("backward"), q, k, v, att, dout, *grads, scalars=(window,))
+    same(*backward[:2])
+    if window >= t:  # a window covering the sequence is global attention, bit for bit
+        _, forward_global, _ = run_both(*both("forward"), q, k, v, att, out, scalars=(0,))
+        _, backward_global, _ = run_both(*both("backward"), q, k, v, att, dout, *grads,
+                                         scalars=(0,))
+        for ours, glob in zip(dev + backward[1], forward_global + backward_global):
+            np.testing.assert_array_equal(ours, glob)
     # decode over a cache whose slots hold the attended positions out of order (a ring buffer)
     first = max(t - window, 0) if window > 0 else 0
     order = np.roll(np.arange(first, t), 1)
