@@ -70,9 +70,9 @@ def test_a_layer_with_the_dims_of_an_earlier_one_shares_its_kernels(target):
     """Same kind and dims: the later layer's names are bound to the earlier block's functions (its
     helpers stay private); other dims render a block of their own."""
     source = render.render_kernel_module(target, [
-        ("rmsnorm", {"p": "attn_norm", "dim": 24, "eps": 1e-5}),
-        ("rmsnorm", {"p": "mlp_norm", "dim": 24, "eps": 1e-5}),
-        ("rmsnorm", {"p": "wide_norm", "dim": 32, "eps": 1e-5}),
+        ("rmsnorm", {"p": "attn_norm", "dim": 24, "eps": 1e-5, "unit_offset": False}),
+        ("rmsnorm", {"p": "mlp_norm", "dim": 24, "eps": 1e-5, "unit_offset": False}),
+        ("rmsnorm", {"p": "wide_norm", "dim": 32, "eps": 1e-5, "unit_offset": False}),
     ])
     assert "def mlp_norm_" not in source
     bindings = re.findall(r"^mlp_norm_(\w+) = attn_norm_(\w+)$", source, re.MULTILINE)

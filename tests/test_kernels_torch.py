@@ -161,7 +161,8 @@ def rmsnorm_reference(x, w, dy, eps, unit_offset):
 @pytest.mark.parametrize("prefix", ["norm", "norm_offset"])
 def test_rmsnorm(k, dtype, n, prefix):
     # norm: gain w (Llama); norm_offset: gain 1 + w (Gemma)
-    forward, forward_residual = getattr(k, f"{prefix}_forward"), getattr(k, f"{prefix}_forward_residual")
+    forward = getattr(k, f"{prefix}_forward")
+    forward_residual = getattr(k, f"{prefix}_forward_residual")
     backward, backward_add = getattr(k, f"{prefix}_backward"), getattr(k, f"{prefix}_backward_add")
     eps = NORM_EPS[prefix]
     rng = np.random.default_rng(n)
@@ -195,11 +196,10 @@ def test_rmsnorm(k, dtype, n, prefix):
 
 def fused_qkv_views(buffer):
     """The q, k, v views (N, heads, head_dim) of a fused (N, (H + 2 KV) * head_dim) buffer, as the
-    planner hands them to the QK-norm: last axis contiguous, row stride that of the whole buffer."""
-    n = buffer.shape[0]
-    q = buffer[:, : H * HD].reshape(n, H, HD)
-    k_ = buffer[:, H * HD : (H + KV) * HD].reshape(n, KV, HD)
-    v = buffer[:, (H + KV) * HD :].reshape(n, KV, HD)
+    planner hands them to the QK-norm: last axis contiguous, row stride that of the whole buffer.
+    (Reshaped whole, then sliced: that also makes views of a CUDA device array.)"""
+    heads = buffer.reshape(buffer.shape[0], H + 2 * KV, HD)
+    q, k_, v = heads[:, :H], heads[:, H : H + KV], heads[:, H + KV :]
     assert all(np.shares_memory(a, buffer) for a in (q, k_, v))
     return q, k_, v
 
@@ -343,7 +343,8 @@ def attention_inputs(rng, b, seq, dtype):
 def run_attention(k, prefix, q, kk, v, dout, window):
     """(att, out, dq, dk, dv) of kernels `prefix` with `window`, every output starting as NaN."""
     b, seq = q.shape[:2]
-    att, out = np.full((b, H, seq, seq), np.nan, q.dtype), np.full((b, seq, H * HD), np.nan, q.dtype)
+    att = np.full((b, H, seq, seq), np.nan, q.dtype)
+    out = np.full((b, seq, H * HD), np.nan, q.dtype)
     dq, dk, dv = np.full_like(q, np.nan), np.full_like(kk, np.nan), np.full_like(v, np.nan)
     getattr(k, f"{prefix}_forward")(q, kk, v, att, out, window)
     getattr(k, f"{prefix}_backward")(q, kk, v, att, dout, dq, dk, dv, window)
@@ -377,12 +378,13 @@ def test_attention(k, dtype, b, seq, window, prefix):
     # slots are not in position order; slots past n_valid must not be read.
     first = max(seq - window, 0) if window > 0 else 0
     slots = min(seq, window) if window > 0 else MAX_SEQ
-    cache_k, cache_v = np.full((b, slots, KV, HD), 1e3, dtype), np.full((b, slots, KV, HD), 1e3, dtype)
+    cache_k, cache_v = (np.full((b, slots, KV, HD), 1e3, dtype) for _ in range(2))
     for position in range(first, seq):
         slot = position % window if window > 0 else position
         cache_k[:, slot], cache_v[:, slot] = kk[:, position], v[:, position]
     dec = np.full((b, 1, H * HD), np.nan, dtype)
-    getattr(k, f"{prefix}_decode")(np.ascontiguousarray(q[:, -1:]), cache_k, cache_v, seq - first, dec)
+    q_last = np.ascontiguousarray(q[:, -1:])
+    getattr(k, f"{prefix}_decode")(q_last, cache_k, cache_v, seq - first, dec)
     np.testing.assert_allclose(dec[:, 0], out[:, -1], **tol(dtype, "attention"))
 
 

@@ -238,23 +238,26 @@ def self_attn_core_softmax_forward_kernel(scores, scale, att, lanes, window):
         h = (row // n_tokens) % SELF_ATTN_CORE_N_HEADS
         t = row % n_tokens
         start = self_attn_core_window_start(t, window)
+        width = t + 1 - start
+        # s and a are the window's columns, indexed from 0 (so the loops vectorize as without one)
         s = scores[
             b, h // SELF_ATTN_CORE_GROUP, (h % SELF_ATTN_CORE_GROUP) * n_tokens + t, start : t + 1
         ]
-        a = att[b, h, t]
+        a_row = att[b, h, t]
+        a = a_row[start : t + 1]
         row_max = max_value(s, lanes[row])
-        for j in range(start):
-            a[j] = 0.0
-        for j in range(start, t + 1):
-            a[j] = exp_vectorizable((s[j - start] - row_max) * scale)
-        inv_total = 1.0 / sum_float64(a[start : t + 1])
-        for j in range(start, t + 1):
+        for j in range(width):
+            a[j] = exp_vectorizable((s[j] - row_max) * scale)
+        inv_total = 1.0 / sum_float64(a)
+        for j in range(width):
             a[j] *= inv_total
+        for j in range(start):
+            a_row[j] = 0.0
         for j in range(t + 1, n_tokens):
-            a[j] = 0.0
+            a_row[j] = 0.0
 
 
-def self_attn_core_forward(q, k, v, att, out, window=0):
+def self_attn_core_forward(q, k, v, att, out, window):
     # q is (B, T, 4, 8), k and v are (B, T, 2, 8),
     # att is (B, 4, T, T): the softmax probabilities (0 outside the causal window), saved for the backward,
     # out is (B, T, 4 * 8); window: 0 (global) or W > 0 (sliding, t - W < j <= t).
@@ -290,17 +293,18 @@ def self_attn_core_softmax_backward_kernel(probs, scale, grad, window):
         r = row % n_rows
         t = r % n_tokens
         start = self_attn_core_window_start(t, window)
-        a, d = probs[b, g, r], grad[b, g, r]
-        row_dot = dot_float64(a[start : t + 1], d[start : t + 1])
-        for j in range(start):
-            d[j] = 0.0
-        for j in range(start, t + 1):
+        d_row = grad[b, g, r]
+        a, d = probs[b, g, r, start : t + 1], d_row[start : t + 1]  # the window's columns
+        row_dot = dot_float64(a, d)
+        for j in range(t + 1 - start):
             d[j] = a[j] * (d[j] - row_dot) * scale
+        for j in range(start):
+            d_row[j] = 0.0
         for j in range(t + 1, n_tokens):
-            d[j] = 0.0
+            d_row[j] = 0.0
 
 
-def self_attn_core_backward(q, k, v, att, dout, dq, dk, dv, window=0):
+def self_attn_core_backward(q, k, v, att, dout, dq, dk, dv, window):
     # in the forward pass this was:
     #   S = Q Kᵀ;  P = softmax(scale S) causal, within the window;  O = P V
     #   (per (b, kv head), the group's heads as rows)

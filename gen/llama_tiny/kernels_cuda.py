@@ -539,7 +539,7 @@ def self_attn_core_decode_kernel(q, k_cache, v_cache, n_valid, out):
         out[b, 0, h, d] *= inv_total
 
 
-def self_attn_core_forward(q, k, v, att, out, window=0):
+def self_attn_core_forward(q, k, v, att, out, window):
     # q is (B, T, 4, 8), k and v are (B, T, 2, 8),
     # att is (B, 4, T, T): softmax probabilities (0 outside the causal window), saved for the backward,
     # out is (B, T, 4 * 8); window: 0 (global) or W > 0 (sliding, t - W < j <= t).
@@ -550,7 +550,7 @@ def self_attn_core_forward(q, k, v, att, out, window=0):
     self_attn_core_forward_kernel[(rows + 63) // 64, 64](q, k, v, att, out4, window)
 
 
-def self_attn_core_backward(q, k, v, att, dout, dq, dk, dv, window=0):
+def self_attn_core_backward(q, k, v, att, dout, dq, dk, dv, window):
     # in the forward pass this was:
     #   s[t, j] = q[t] . k[j] * scale;  att[t] = softmax(s[t, start:t+1]);  out[t] = sum_j att[t, j] v[j]
     # so now we have:
