@@ -4,12 +4,14 @@ Reference: Hugging Face transformers loading the same GGUF (`from_pretrained(dir
 an independent implementation of the format, the dequantisers and the Q/K un-permutation. Our
 imported weights must equal its tensors, and the directory we write must load in transformers and
 give the same logits. A tiny llama GGUF written here with the gguf package covers every tensor
-type we decode and every way the tensors can disagree with the metadata.
+type gguf can quantise (the K-quants, which it only decodes, are checked in test_quant.py) and every
+way the tensors can disagree with the metadata.
 """
 
 import itertools
 import json
 import os
+import tomllib
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing from a hub
@@ -24,12 +26,14 @@ from tokenizers import Tokenizer
 from tokenizers.pre_tokenizers import ByteLevel
 
 from pyml.errors import PymlError
-from pyml.runtime.gguf_import import import_gguf, load_gguf_tensors, unpermute_rotary_rows
+from pyml.runtime.gguf_architectures import unpermute_rotary_rows
+from pyml.runtime.gguf_import import import_gguf, load_gguf_tensors
 from pyml.runtime.gguf_read import read_gguf
 from pyml.runtime.safetensors_io import read_safetensors
 from pyml.runtime.smollm2_gguf import shipped_gguf_path
 
 GGMLType = gguf.GGMLQuantizationType
+ROOT = Path(__file__).parents[1]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -120,6 +124,7 @@ def test_written_files(imported_dir):
         "config.json",
         "generation_config.json",
         "model.safetensors",
+        "spec.toml",
         "tokenizer.json",
         "tokenizer_config.json",
     ]
@@ -153,6 +158,16 @@ def test_written_files(imported_dir):
     tokenizer_config = json.loads((imported_dir / "tokenizer_config.json").read_text())
     assert tokenizer_config["chat_template"] == template
     assert Tokenizer.from_file(str(imported_dir / "tokenizer.json")).get_vocab_size() == 49152
+
+
+def test_written_spec_is_the_hand_written_smollm2_spec(imported_dir):
+    with open(imported_dir / "spec.toml", "rb") as handle:
+        written = tomllib.load(handle)
+    with open(ROOT / "specs" / "smollm2_135m.toml", "rb") as handle:
+        hand_written = tomllib.load(handle)
+    # The name comes from the folder; everything else from the GGUF's metadata.
+    assert written.pop("name") == "smollm2"
+    assert written == {key: value for key, value in hand_written.items() if key != "name"}
 
 
 def test_transformers_chat_prompt_from_the_directory_matches_the_gguf(imported_dir):
@@ -219,6 +234,8 @@ TINY_TOKENS = SPECIAL_TOKENS + sorted(ByteLevel.alphabet()) + ["Ġt", "he", "Ġt
 DECODED_TYPES = [
     GGMLType.Q4_0,
     GGMLType.Q4_1,
+    GGMLType.Q5_0,
+    GGMLType.Q5_1,
     GGMLType.Q8_0,
     GGMLType.F16,
     GGMLType.BF16,
@@ -421,12 +438,12 @@ def test_tensors_that_disagree_with_the_metadata_are_named(tmp_path, shapes, met
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("ggml_type", [GGMLType.Q5_0, GGMLType.Q5_1])
-def test_unsupported_tensor_type_is_named(tmp_path, ggml_type):
-    types = {name: GGMLType.F32 for name in tiny_hf_shapes()} | {"blk.0.ffn_up.weight": ggml_type}
-    write_tiny_llama_gguf(tmp_path / "q5.gguf", types=types)
-    with pytest.raises(PymlError, match=f"'blk.0.ffn_up.weight' has type {ggml_type.name}"):
-        import_gguf(tmp_path / "q5.gguf", tmp_path / "out", progress=False)
+def test_unsupported_tensor_type_is_named(tmp_path):
+    types = {name: GGMLType.F32 for name in tiny_hf_shapes()} | {"blk.0.ffn_up.weight": GGMLType.MXFP4}
+    write_tiny_llama_gguf(tmp_path / "mxfp4.gguf", types=types)
+    with pytest.raises(PymlError, match="'blk.0.ffn_up.weight' has type MXFP4"):
+        import_gguf(tmp_path / "mxfp4.gguf", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
 
 
 def test_add_bos_flag_is_honoured_like_transformers(tmp_path):
