@@ -462,3 +462,62 @@ def test_add_bos_flag_is_honoured_like_transformers(tmp_path):
             == reference(text)["input_ids"]
             == ours.encode(text).ids
         )
+
+
+# -- a tiny llama GGUF with a SentencePiece vocabulary (Llama 2, TinyLlama)
+
+SPM_PIECES = ["▁", "t", "h", "e", "a", "▁t", "he", "▁the", "▁a", "at", "▁at", "x", "▁x", "hat", "▁hat"]
+SPM_TOKENS = ["<unk>", "<s>", "</s>"] + [f"<0x{byte:02X}>" for byte in range(256)] + SPM_PIECES
+
+
+def write_tiny_sentencepiece_llama_gguf(path: Path) -> None:
+    """A tiny llama GGUF whose tokenizer is SentencePiece BPE ("llama"), stating neither
+    add_bos_token nor add_space_prefix, whose defaults (both true) then apply."""
+    writer = gguf.GGUFWriter(path, "llama")
+    counts = {
+        "block_count": TINY["layers"],
+        "context_length": 128,
+        "embedding_length": TINY["hidden"],
+        "feed_forward_length": TINY["ffn"],
+        "attention.head_count": TINY["heads"],
+        "attention.head_count_kv": TINY["kv_heads"],
+    }
+    for key, value in counts.items():
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-6)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(SPM_TOKENS)
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(SPM_PIECES))])
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(SPM_PIECES))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    shapes = tiny_hf_shapes() | {"token_embd.weight": (len(SPM_TOKENS), TINY["hidden"])}
+    for name, shape in shapes.items():
+        writer.add_tensor(name, np.full(shape, 0.01, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_sentencepiece_llama_tokenizer_matches_transformers(tmp_path):
+    """Against transformers' tokenizer for the same file, with two differences where we follow
+    llama.cpp (and SentencePiece's add_dummy_prefix): text that starts with a space gets the
+    prefix space all the same ("▁", "▁the" for " the"), and so does text after a special token;
+    transformers' Metaspace adds it only at the very start, and not before a space."""
+    from transformers import AutoTokenizer
+
+    write_tiny_sentencepiece_llama_gguf(tmp_path / "spm.gguf")
+    import_gguf(tmp_path / "spm.gguf", tmp_path / "out", progress=False)
+    ours = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
+    reference = transformers_tokenizer_from_gguf(tmp_path / "spm.gguf")
+    from_folder = AutoTokenizer.from_pretrained(tmp_path / "out")
+    for text in ("the hat", "that", "x  the", "é the", "", "ahat  x\n"):
+        expected = reference(text)["input_ids"]
+        assert ours.encode(text).ids == from_folder(text)["input_ids"] == expected, repr(text)
+        ids = ours.encode(text, add_special_tokens=False).ids
+        assert ours.decode(ids) == reference.decode(ids) == text
+    assert ours.encode(" the").tokens == ["<s>", "▁", "▁the"]
+    assert reference.convert_ids_to_tokens(reference(" the")["input_ids"]) == ["<s>", "▁the"]
+    assert ours.encode("the</s>the").tokens == ["<s>", "▁the", "</s>", "▁the"]

@@ -47,7 +47,7 @@ def import_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> Path:
         "generation_config.json": _json_bytes(_generation_config(gguf)),
         "tokenizer.json": tokenizer.to_str(pretty=True).encode("utf-8"),
         "tokenizer_config.json": _json_bytes(tokenizer_config(gguf)),
-        SPEC_FILE: spec_toml(spec, f"written by `pyml import-gguf` from {gguf.path.name}").encode(),
+        SPEC_FILE: spec_toml(spec, _spec_comment(gguf)).encode("utf-8"),
     }
     template = chat_template(gguf)
     if template is not None:
@@ -131,6 +131,12 @@ def _decode_tensors(gguf: GGUFFile, architecture: Llama, bar: tqdm | None) -> di
         if bar is not None:
             bar.update()
     return tensors
+
+
+def _spec_comment(gguf: GGUFFile) -> str:
+    model = gguf.metadata.get("general.name")
+    named = f"{model}: " if isinstance(model, str) else ""
+    return f"{named}written by `pyml import-gguf` from {gguf.path.name}"
 
 
 def _json_bytes(value: dict[str, object]) -> bytes:

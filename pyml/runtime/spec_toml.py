@@ -13,7 +13,8 @@ import math
 def spec_toml(data: dict[str, object], comment: str) -> str:
     """The TOML text of `data` (str, int, float, bool, tables and lists of them), headed by
     `comment`."""
-    lines = [f"# {comment}"]
+    # A TOML comment ends at the line's end and may hold no control characters.
+    lines = ["# " + "".join(char if char.isprintable() else "?" for char in comment)]
     _table(lines, [], data, depth=0)
     return "\n".join(lines) + "\n"
 

@@ -6,13 +6,17 @@ BPE vocabularies (`tokenizer.ggml.model`):
 
 - "gpt2": byte-level BPE with the merges listed, after a pre-tokenizer (the regexes that cut text
   into words, named in `tokenizer.ggml.pre`) whose llama.cpp regexes we reproduce exactly.
-- "llama": SentencePiece BPE (Llama 2, Gemma). Spaces become "▁" (and, with
-  `tokenizer.ggml.add_space_prefix`, the text gets one in front); the text is not cut into words;
-  the pair of neighbouring pieces that make the token with the highest score is merged first, and
-  a character no token spells is written as its UTF-8 byte tokens <0x00>..<0xFF>. Those are
+- "llama": SentencePiece BPE (Llama 2, Gemma). Spaces become "▁", and unless
+  `tokenizer.ggml.add_space_prefix` is false each stretch of text (at the start, and after each
+  special or user-defined token) gets one in front; the text is not cut into words; the pair of
+  neighbouring pieces that make the token with the highest score is merged first, and a
+  character no token spells is written as its UTF-8 byte tokens <0x00>..<0xFF>. Those are
   SentencePiece's rules, and llama.cpp's. We state them as BPE merges: every cut of a normal
   token into two tokens, ranked by the token's score (a token with several cuts: the longer left
   piece first, as transformers ranks them).
+
+In both, control and user-defined tokens (Gemma's runs of spaces, tabs and newlines, its HTML
+tags) are matched whole in the text, the longest first, before anything else, as llama.cpp does.
 """
 
 from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers, processors
@@ -121,7 +125,9 @@ def _sentencepiece_bpe(gguf: GGUFFile) -> Tokenizer:
             byte_fallback=True,
         )
     )
-    # llama.cpp adds the space in front unless the file says not to.
+    # Unless the file says not to, llama.cpp puts a space in front of the text and of the text
+    # after each special or user-defined token: the normalizer runs on each stretch of text
+    # between added tokens, so a Prepend does just that.
     space_prefix = _flag(gguf, "tokenizer.ggml.add_space_prefix", default=True)
     spaces = normalizers.Replace(" ", SPACE_PIECE)
     tokenizer.normalizer = (
@@ -156,7 +162,7 @@ def tokenizer_config(gguf: GGUFFile) -> dict[str, object]:
     tokens = _tokens(gguf)
     config: dict[str, object] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": _flag(gguf, "tokenizer.ggml.add_bos_token"),
+        "add_bos_token": _adds_bos(gguf),
         "add_eos_token": _flag(gguf, "tokenizer.ggml.add_eos_token"),
         "clean_up_tokenization_spaces": False,
     }
@@ -197,7 +203,7 @@ def _whole(token: str, special: bool) -> AddedToken:
 def _added_around_text(gguf: GGUFFile, tokens: list[str]) -> processors.TemplateProcessing | None:
     """The post-processor that adds BOS/EOS when the GGUF asks for it, as llama.cpp does."""
     before, after = [], []
-    if _flag(gguf, "tokenizer.ggml.add_bos_token"):
+    if _adds_bos(gguf):
         before.append(special_token_id(gguf, "tokenizer.ggml.bos_token_id"))
     if _flag(gguf, "tokenizer.ggml.add_eos_token"):
         after.append(special_token_id(gguf, "tokenizer.ggml.eos_token_id"))
@@ -220,6 +226,13 @@ def _metadata(gguf: GGUFFile, key: str, kind: type):
     if not isinstance(value, kind):
         raise PymlError(f"{gguf.path}: {key} is not a {kind.__name__}")
     return value
+
+
+def _adds_bos(gguf: GGUFFile) -> bool:
+    """Whether BOS goes in front of the text: llama.cpp does so for a SentencePiece vocabulary
+    unless the file says not to."""
+    sentencepiece = gguf.metadata.get("tokenizer.ggml.model") == "llama"
+    return _flag(gguf, "tokenizer.ggml.add_bos_token", default=sentencepiece)
 
 
 def _flag(gguf: GGUFFile, key: str, default: bool = False) -> bool:
