@@ -201,6 +201,9 @@ class Model:
         self.device = Device(device, dtype)
         self.params = Parameters(self.device.zeros(Parameters.SIZE))
         self.grads = Parameters(self.device.zeros(Parameters.SIZE))
+        # (start, stop) ranges of grads.flat in the order the backward pass makes them final: one
+        # bucket, the whole buffer, reported when the backward ends
+        self.grad_buckets = [(0, Parameters.SIZE)]
         self.buffers = {}  # batch size -> Activations
 
     @classmethod
@@ -266,8 +269,9 @@ class Model:
         self.run_forward(s)
         return self.device.to_host(s.a[-1]).copy()
 
-    def loss_and_grads(self, inputs, targets):
-        """Mean cross-entropy of class `targets` (B,); gradients land in `self.grads`."""
+    def loss_and_grads(self, inputs, targets, on_grads_ready=None):
+        """Mean cross-entropy of class `targets` (B,); gradients land in `self.grads`.
+        `on_grads_ready(i)`, when given, is called as soon as bucket i of `grad_buckets` is final."""
         targets = np.asarray(targets)
         if targets.shape != (np.shape(inputs)[0],) or not np.issubdtype(targets.dtype, np.integer):
             raise PymlError(
@@ -281,6 +285,8 @@ class Model:
         # fused: the loss and d loss / d logits
         loss = self.device.kernels.loss_forward_backward(s.a[-1], s.targets, s.d[-1])
         self.run_backward(s)
+        if on_grads_ready is not None:
+            on_grads_ready(0)
         return loss
 
     def run_forward(self, s):

@@ -271,6 +271,9 @@ class Model:
         self.device = Device(device, dtype)
         self.params = Parameters(self.device.zeros(Parameters.SIZE))
         self.grads = Parameters(self.device.zeros(Parameters.SIZE))
+        # (start, stop) ranges of grads.flat in the order the backward pass makes them final: one
+        # bucket, the whole buffer, reported when the backward ends
+        self.grad_buckets = [(0, Parameters.SIZE)]
         from . import kernels_cpu
 
         cos = np.zeros((MAX_SEQ_LEN, HEAD_DIM // 2), self.device.dtype)
@@ -352,8 +355,9 @@ class Model:
         self.run_forward(s)
         return self.device.to_host(s.logits).reshape(B, T, VOCAB)
 
-    def loss_and_grads(self, input_ids, targets):
-        """Mean cross-entropy of next-token `targets` (B, T); gradients land in `self.grads`."""
+    def loss_and_grads(self, input_ids, targets, on_grads_ready=None):
+        """Mean cross-entropy of next-token `targets` (B, T); gradients land in `self.grads`.
+        `on_grads_ready(i)`, when given, is called as soon as bucket i of `grad_buckets` is final."""
         if np.shape(targets) != np.shape(input_ids):
             raise PymlError(
                 f"targets shape {np.shape(targets)} differs from input_ids shape {np.shape(input_ids)}"
@@ -366,6 +370,8 @@ class Model:
         # fused: the loss and d loss / d logits, written over the logits
         loss = self.device.kernels.loss_forward_backward(s.logits, s.targets, s.logits)
         self.run_backward(s, g)
+        if on_grads_ready is not None:
+            on_grads_ready(0)
         return loss
 
     def run_forward(self, s):
