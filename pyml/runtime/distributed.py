@@ -63,8 +63,9 @@ class GroupError(PymlError):
     """An error that every rank raises alike, after the ranks agreed on it."""
 
 
-class PeerSilent(PymlError):
-    """Another rank sent nothing within the timeout: it died or hangs."""
+class PeerSilent(Exception):
+    """Another rank sent nothing within the timeout: it died or hangs. Not a PymlError: it is no
+    fault of the step in flight, and it ends the job (`MpiWorld.abort`)."""
 
 
 def describe(error: BaseException) -> str:
@@ -278,7 +279,7 @@ class MpiWorld:
                 traceback.print_exception(error)  # a bug: its traceback, then the line
             line = f"error: rank {self.rank}: {describe(error)}; stopping every rank"
         print(line, file=sys.stderr, flush=True)
-        self.comm.Abort(2)
+        self.MPI.COMM_WORLD.Abort(2)  # MPICH adds a line of its own: "Abort(2) on node ..."
 
 
 @contextmanager

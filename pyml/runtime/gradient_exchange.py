@@ -74,9 +74,8 @@ class Piece:
         return self.bounds[rank], self.bounds[rank + 1]
 
 
-def cut_pieces(buckets, size: int, ranks: int, piece_elements: int | None = None) -> list[Piece]:
+def cut_pieces(buckets, size: int, ranks: int) -> list[Piece]:
     """The pieces of a flat buffer of `size` elements, bucket by bucket in the order given."""
-    piece_elements = piece_elements or PIECE_ELEMENTS
     covered = sorted((int(start), int(stop)) for start, stop in buckets)
     edges = [0] + [edge for start, stop in covered for edge in (start, stop)] + [size]
     if any(a != b for a, b in zip(edges[::2], edges[1::2])) or any(a >= b for a, b in covered):
@@ -86,8 +85,8 @@ def cut_pieces(buckets, size: int, ranks: int, piece_elements: int | None = None
         )
     pieces = []
     for index, (start, stop) in enumerate(buckets):
-        for piece_start in range(start, stop, piece_elements):
-            piece_stop = min(stop, piece_start + piece_elements)
+        for piece_start in range(start, stop, PIECE_ELEMENTS):
+            piece_stop = min(stop, piece_start + PIECE_ELEMENTS)
             length = piece_stop - piece_start
             bounds = tuple(piece_start + length * r // ranks for r in range(ranks + 1))
             pieces.append(Piece(piece_start, piece_stop, index, bounds))
@@ -100,7 +99,7 @@ class GradientExchange:
     model's `on_grads_ready`), then `finish()`. After it, every rank holds the weighted sum of all
     ranks' gradients, or with `sharded` only its own parts of it (`my_parts`)."""
 
-    def __init__(self, world, model, sharded: bool, piece_elements: int | None = None):
+    def __init__(self, world, model, sharded: bool):
         if model.device.name != "cpu":
             raise PymlError(
                 "training on more than one rank runs on the CPU today: --device cuda needs a "
@@ -108,12 +107,10 @@ class GradientExchange:
             )
         self.world, self.sharded = world, sharded
         self.grads, self.params = model.grads.flat, model.params.flat
-        self.pieces = cut_pieces(
-            model.grad_buckets, self.grads.shape[0], world.size, piece_elements
-        )
+        self.pieces = cut_pieces(model.grad_buckets, self.grads.shape[0], world.size)
         self.bucket_count = len(model.grad_buckets)
         self.my_parts = [piece.part(world.rank) for piece in self.pieces]
-        longest_part = max(b - a for a, b in (piece.part(0) for piece in self.pieces))
+        longest_part = max(max(piece.counts()) for piece in self.pieces)
         slots = min(STAGING_SLOTS, len(self.pieces))
         self.staging = [np.empty(world.size * longest_part, self.grads.dtype) for _ in range(slots)]
         # one communicator per kind of collective: each sees its operations in piece order
