@@ -219,6 +219,17 @@ def bench_train(
                   + (["--compile"] if compile else []))
 
 
+@bench_app.command("scaling")
+@user_errors
+def bench_scaling(
+    steps: Annotated[int, typer.Option(help="Timed steps per configuration.")] = 5,
+    warmup: Annotated[int, typer.Option(help="Untimed steps first.")] = 2,
+) -> None:
+    """SmolLM2-135M on 1 rank and on 2 (mpiexec): step and communication time, overlap, memory per
+    rank, and the model of N machines."""
+    run_benchmark("scaling.py", ["--steps", str(steps), "--warmup", str(warmup)])
+
+
 @bench_app.command("generate")
 @user_errors
 def bench_generate(

@@ -238,12 +238,16 @@ class ShardedAdamW:
 
     def gathered_state(self) -> dict | None:
         """The whole exp_avg and exp_avg_sq on rank 0 (None elsewhere), for a checkpoint; every
-        rank must call it."""
+        rank must call it. Between steps the gradient buffer is free: rank 0 gathers exp_avg into
+        it, so that a checkpoint costs it one buffer of the parameters' size, as without sharding
+        (the result is valid until the next backward pass)."""
         exchange, world = self.exchange, self.exchange.world
         state = {}
         for name in ("exp_avg", "exp_avg_sq"):
             mine = self.model.device.to_host(getattr(self, name))  # this rank's parts, in order
-            whole = np.empty(self.model.params.flat.shape[0], mine.dtype) if world.rank == 0 else None
+            whole = None
+            if world.rank == 0:
+                whole = self.model.grads.flat if name == "exp_avg" else np.empty_like(self.model.grads.flat)
             requests, offset = [], 0
             for piece, (a, b) in zip(exchange.pieces, exchange.my_parts):
                 receive = None
