@@ -81,6 +81,9 @@ class SingleProcess:
     ranks = 1
     stop_signals = (signal.SIGINT,)
 
+    def check_batch(self, batch: int) -> None:
+        pass
+
     def optimizer(self, package, model, **options):
         return package.AdamW(model, **options)
 
@@ -113,6 +116,13 @@ class DataParallel:
         self.is_root, self.ranks = world.rank == 0, world.size
         self.exchange = None
 
+    def check_batch(self, batch: int) -> None:
+        if batch < self.ranks:  # the same on every rank: each raises it alike
+            raise GroupError(
+                f"--batch {batch} is smaller than the {self.ranks} ranks: every rank needs at "
+                "least one row of each batch"
+            )
+
     def optimizer(self, package, model, **options):
         from pyml.runtime.gradient_exchange import GradientExchange, ShardedAdamW
 
@@ -130,11 +140,6 @@ class DataParallel:
 
         world, exchange, step = self.world, self.exchange, optimizer.step_count + 1
         world.context = f"at step {step}"
-        if len(inputs) < world.size:
-            raise GroupError(
-                f"--batch {len(inputs)} is smaller than the {world.size} ranks: every rank needs "
-                "at least one row of the batch"
-            )
         bounds = [len(inputs) * r // world.size for r in range(world.size + 1)]
         counted = [int(np.count_nonzero(targets[a:b] != IGNORED_TARGET)) for a, b in
                    zip(bounds, bounds[1:])]  # fmt: skip

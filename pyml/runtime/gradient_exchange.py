@@ -27,7 +27,6 @@ communicator, the all-gathers in piece order on another.
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -115,7 +114,6 @@ class GradientExchange:
         self.staging = [np.empty(world.size * longest_part, self.grads.dtype) for _ in range(slots)]
         # one communicator per kind of collective: each sees its operations in piece order
         self.reduce_comm, self.gather_comm = world.comm.Dup(), world.comm.Dup()
-        self.wait_seconds = 0.0  # time the last finish() waited, for the benchmark
 
     def start_step(self, weights) -> None:
         """Begin a step whose rank r contributes `weights[r]` times its gradient."""
@@ -182,9 +180,11 @@ class GradientExchange:
         return comm.Iallgatherv(self.world.MPI.IN_PLACE, part)
 
     def finish(self) -> None:
-        started = time.perf_counter()
-        self.world.wait_until(lambda: not self.progress(), "the gradient exchange")
-        self.wait_seconds = time.perf_counter() - started
+        """Wait until every piece of this step is reduced (and, without sharding, gathered)."""
+        self.world.wait_until(
+            lambda: not self.progress(),
+            f"the gradient exchange {self.world.context} did not complete: a rank sent nothing",
+        )
 
     def gather_parameters(self) -> None:
         """After a sharded update: every rank's parts of the parameters to every rank."""

@@ -193,6 +193,7 @@ def run_training(
     only its root writes files and shows progress."""
     out = Path(out)
     group = group or SingleProcess()
+    group.check_batch(config.batch)
     optimizer = group.optimizer(
         package,
         model,
@@ -401,6 +402,7 @@ def write_loss_curve(path: Path, train_losses: list[float], evaluations: list[di
     axes.grid(alpha=0.3)
     axes.legend()
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)  # a run that fails before its first save
         atomic_write(path, lambda handle: figure.savefig(handle, format="png", dpi=100))
     except OSError as error:
         raise PymlError(f"{path}: cannot write the loss curve: {error.strerror}") from None
