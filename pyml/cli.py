@@ -168,7 +168,7 @@ def train(
     if ranks is not None and ranks < 1:
         raise PymlError("--ranks must be at least 1")
     if ranks is not None and ranks > 1:
-        distributed.launch(ranks, without_option(sys.argv[1:], "--ranks"))
+        distributed.launch(ranks, sys.argv[1:])
     with distributed.process_group(shard_optimizer, peer_timeout) as group:
         from pyml.runtime.train import train as run_train
 
@@ -176,19 +176,6 @@ def train(
                   weight_decay=weight_decay, max_grad_norm=max_grad_norm, eval_every=eval_every,
                   eval_batches=eval_batches, checkpoint_every=checkpoint_every, seed=seed,
                   dtype=dtype, device=device, resume=resume, group=group)
-
-
-def without_option(arguments: list[str], name: str) -> list[str]:
-    """`arguments` without `name VALUE` or `name=VALUE`."""
-    kept, skip = [], False
-    for argument in arguments:
-        if skip:
-            skip = False
-        elif argument == name:
-            skip = True
-        elif not argument.startswith(f"{name}="):
-            kept.append(argument)
-    return kept
 
 
 bench_app = typer.Typer(help="Benchmarks against PyTorch and transformers (results in bench/results/).",

@@ -315,8 +315,9 @@ def process_group(shard_optimizer: bool = False, peer_timeout: float | None = No
 
 
 def launch(ranks: int, arguments: list[str]) -> None:
-    """Replace this process with `mpiexec -n RANKS python -m pyml.cli ARGUMENTS`, so that Ctrl-C
-    and SIGTERM reach mpiexec, which forwards them to every rank."""
+    """Replace this process with `mpiexec -n RANKS python -m pyml.cli ARGUMENTS` (the command line
+    of `pyml`, less its --ranks), so that Ctrl-C and SIGTERM reach mpiexec, which forwards them to
+    every rank."""
     if launched_world_size() > 1:
         raise PymlError("--ranks starts its own mpiexec: leave it out under mpiexec or srun")
     if importlib.util.find_spec("mpi4py") is None:
@@ -327,4 +328,18 @@ def launch(ranks: int, arguments: list[str]) -> None:
         raise PymlError("--ranks needs mpiexec: pip install mpich, or load your site's MPI")
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(mpiexec, [mpiexec, "-n", str(ranks), sys.executable, "-m", "pyml.cli", *arguments])
+    command = [mpiexec, "-n", str(ranks), sys.executable, "-m", "pyml.cli"]
+    os.execv(mpiexec, command + without_option(arguments, "--ranks"))
+
+
+def without_option(arguments: list[str], name: str) -> list[str]:
+    """`arguments` without `name VALUE` or `name=VALUE`."""
+    kept, skip = [], False
+    for argument in arguments:
+        if skip:
+            skip = False
+        elif argument == name:
+            skip = True
+        elif not argument.startswith(f"{name}="):
+            kept.append(argument)
+    return kept
