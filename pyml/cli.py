@@ -178,15 +178,25 @@ def train(
     dtype: Annotated[str | None, typer.Option(help="float32 or float64. Default float32.")] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda. Default cpu.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the latest checkpoint in --out bit-identically; options left out take the checkpoint's values.")] = False,
+    ranks: Annotated[int | None, typer.Option(help="Start this many ranks on this machine (mpiexec; needs mpi4py and an MPI): each trains on its share of every --batch. Under mpiexec or srun, leave it out.")] = None,
+    shard_optimizer: Annotated[bool, typer.Option("--shard-optimizer", help="With several ranks: each keeps only its share of the AdamW state (ZeRO stage 1).")] = False,
+    peer_timeout: Annotated[float | None, typer.Option(help="With several ranks: seconds to wait for another rank before stopping the job. Default 300.")] = None,
 ) -> None:
     """Train a generated model on real data: progress bar, held-out loss, checkpoints, --resume,
-    Ctrl-C saves a checkpoint."""
-    from pyml.runtime.train import train as run_train
+    Ctrl-C saves a checkpoint. Runs data-parallel under mpiexec or srun, or with --ranks."""
+    from pyml.runtime import distributed
 
-    run_train(spec, init=init, data=data, steps=steps, batch=batch, seq=seq, out=out, lr=lr,
-              weight_decay=weight_decay, max_grad_norm=max_grad_norm, eval_every=eval_every,
-              eval_batches=eval_batches, checkpoint_every=checkpoint_every, seed=seed,
-              dtype=dtype, device=device, resume=resume)
+    if ranks is not None and ranks < 1:
+        raise PymlError("--ranks must be at least 1")
+    if ranks is not None and ranks > 1:
+        distributed.launch(ranks, sys.argv[1:])
+    with distributed.process_group(shard_optimizer, peer_timeout) as group:
+        from pyml.runtime.train import train as run_train
+
+        run_train(spec, init=init, data=data, steps=steps, batch=batch, seq=seq, out=out, lr=lr,
+                  weight_decay=weight_decay, max_grad_norm=max_grad_norm, eval_every=eval_every,
+                  eval_batches=eval_batches, checkpoint_every=checkpoint_every, seed=seed,
+                  dtype=dtype, device=device, resume=resume, group=group)
 
 
 bench_app = typer.Typer(help="Benchmarks against PyTorch and transformers (results in bench/results/).",
@@ -215,6 +225,17 @@ def bench_train(
     """SmolLM2-135M training step (2x128 tokens, AdamW): this project's package vs PyTorch."""
     run_benchmark("train_step.py", ["--rounds", str(rounds), "--steps", str(steps)]
                   + (["--compile"] if compile else []))
+
+
+@bench_app.command("scaling")
+@user_errors
+def bench_scaling(
+    steps: Annotated[int, typer.Option(help="Timed steps per configuration.")] = 5,
+    warmup: Annotated[int, typer.Option(help="Untimed steps first.")] = 2,
+) -> None:
+    """SmolLM2-135M on 1 rank and on 2 (mpiexec): step and communication time, overlap, memory per
+    rank, and the model of N machines."""
+    run_benchmark("scaling.py", ["--steps", str(steps), "--warmup", str(warmup)])
 
 
 @bench_app.command("generate")
