@@ -20,6 +20,8 @@ import numpy as np
 from hypothesis import strategies as st
 
 from pyml.codegen.emit import write_generated
+from pyml.codegen.manifest import generator_hash, shared_hashes, template_hashes
+from pyml.errors import PymlError
 from pyml.spec import parse_spec
 from torch_reference import Reference, loss_and_grads
 
@@ -38,13 +40,17 @@ def to_toml(data: dict, prefix: str = "") -> str:
             return json.dumps(value)
         return repr(value)
 
-    lines = [f"{key} = {scalar(value)}" for key, value in data.items()
-             if not isinstance(value, (dict, list))]
+    def is_table(value) -> bool:
+        return isinstance(value, dict) or (isinstance(value, list) and value
+                                           and isinstance(value[0], dict))
+
+    lines = [f"{key} = [{', '.join(scalar(v) for v in value)}]" if isinstance(value, list)
+             else f"{key} = {scalar(value)}" for key, value in data.items() if not is_table(value)]
     for key, value in data.items():
         path = f"{prefix}{key}"
         if isinstance(value, dict):
             lines += ["", f"[{path}]", to_toml(value, f"{path}.")]
-        elif isinstance(value, list):
+        elif is_table(value):
             for entry in value:
                 lines += ["", f"[[{path}]]", to_toml(entry, f"{path}.")]
     return "\n".join(line for line in lines if line is not None).strip("\n")
@@ -60,7 +66,9 @@ def lean_project(root: Path) -> None:
 def generated_package(data: dict):
     """The generated package of the spec `data`, imported under a name of its own."""
     text = to_toml(data) + "\n"
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    # the generator, its templates and the shared modules are part of what was generated
+    sources = json.dumps([generator_hash(), template_hashes(), shared_hashes()], sort_keys=True)
+    digest = hashlib.sha256((text + sources).encode()).hexdigest()[:16]
     root = FUZZ_DIR / digest
     spec_path = root / "specs" / f"{data['name']}.toml"
     spec = parse_spec(tomllib.loads(text), str(spec_path))
@@ -84,7 +92,10 @@ def random_tensors(package, seed: int) -> dict[str, np.ndarray]:
     """Weights large enough that every non-linearity bends: matrices N(0, 1/fan_in), gains near 1
     (near 0 where the gain is 1 + w), biases N(0, 0.3)."""
     rng = np.random.default_rng(seed)
-    table = package.model.tensor_table(package.Parameters(np.zeros(package.Parameters.SIZE)))
+    host = package.Model.host_parameters()
+    table = dict(package.Model.TENSOR_TABLE(host))
+    if package.Model.FROZEN_TENSOR_TABLE is not None:
+        table |= package.Model.FROZEN_TENSOR_TABLE(host)
     tensors = {}
     for name, (view, init, _) in table.items():
         if view.ndim == 2:
@@ -125,9 +136,11 @@ def check_against_torch(data: dict, batch: tuple[int, int], seed: int, device: s
     ours = model.loss_and_grads(inputs, targets)
     assert abs(ours - loss) <= RTOL * abs(loss), f"loss {ours} != {loss}"
     our_grads = model.tensors(package.Parameters(model.device.to_host(model.grads.flat)))
-    floor = max(1e-7 * max(np.abs(grad).max() for grad in grads.values()), 1e-30)
-    for name, grad in grads.items():
-        assert relative_error(our_grads[name], grad, floor) < RTOL, f"gradient of {name}"
+    # the trainable parameters' gradients: every one, unless the spec freezes a base (LoRA)
+    assert set(our_grads) <= set(grads) and (our_grads or not grads)
+    floor = max(1e-7 * max(np.abs(grads[name]).max() for name in our_grads), 1e-30)
+    for name in our_grads:
+        assert relative_error(our_grads[name], grads[name], floor) < RTOL, f"gradient of {name}"
     if spec.form == "decoder" and T > 1:
         cache, last = model.start_decoding(inputs[:, :1], T)
         for position in range(1, T):
@@ -216,9 +229,20 @@ def decoder_specs(draw, max_len=8):
     embedding = {"vocab_size": vocab, "dim": dim}
     if draw(st.booleans()):
         embedding["scale"] = float(np.sqrt(dim))
-    return {"name": "fuzz_decoder", "form": "decoder", "max_seq_len": max_len,
+    spec = {"name": "fuzz_decoder", "form": "decoder", "max_seq_len": max_len,
             "embedding": embedding, "block": block, "final_norm": draw(rmsnorm(dim)),
             "lm_head": {"dim": dim, "vocab_size": vocab, "tied": draw(st.booleans())}}
+    if draw(st.integers(0, 3)) == 0:  # a LoRA model: the base frozen, adapters on some projections
+        targets = draw(st.lists(st.sampled_from(["q", "k", "v", "o", "gate", "up", "down"]),
+                                min_size=1, max_size=7, unique=True))
+        with_lora = spec | {"lora": {"rank": 1, "alpha": draw(st.sampled_from([1.0, 8.0])),
+                                     "targets": targets}}
+        try:
+            parse_spec(with_lora, "fuzz")
+        except PymlError:
+            return spec  # the targets name no projection this block has
+        return with_lora
+    return spec
 
 
 @st.composite
