@@ -1,91 +1,38 @@
 """Random valid specs, generated packages built from them, and their comparison with the torch
 reference (`tests/torch_reference.py`). Shared by the CPU fuzz test and its CUDA-simulator twin.
 
-A package is generated into a folder named by the hash of its spec under the system temp dir and
-written only when absent, so Numba's cache (keyed on file path and mtime) compiles a spec once per
-machine: the regression corpus costs its compile time once.
+A package is generated (`pyml.codegen.derived`) into a folder named by the hash of its spec under
+the system temp dir and written only when absent, so Numba's cache (keyed on file path and mtime)
+compiles a spec once per machine: the regression corpus costs its compile time once.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import json
-import sys
 import tempfile
-import tomllib
 from pathlib import Path
 
 import numpy as np
 from hypothesis import strategies as st
 
-from pyml.codegen.emit import write_generated
-from pyml.codegen.manifest import generator_hash, shared_hashes, template_hashes
+from pyml.codegen.derived import derived_package
 from pyml.errors import PymlError
+from pyml.runtime.spec_toml import spec_toml
 from pyml.spec import parse_spec
 from torch_reference import Reference, loss_and_grads
 
-ROOT = Path(__file__).resolve().parents[1]
 FUZZ_DIR = Path(tempfile.gettempdir()) / "pyml-generator-fuzz"
 CORPUS = Path(__file__).resolve().parent / "fuzz_corpus"
 RTOL = 1e-9
 
 
-def to_toml(data: dict, prefix: str = "") -> str:
-    """A spec's data as TOML (for messages and the corpus): scalars, tables, arrays of tables."""
-    def scalar(value):
-        if isinstance(value, bool):
-            return "true" if value else "false"
-        if isinstance(value, str):
-            return json.dumps(value)
-        return repr(value)
-
-    def is_table(value) -> bool:
-        return isinstance(value, dict) or (isinstance(value, list) and value
-                                           and isinstance(value[0], dict))
-
-    lines = [f"{key} = [{', '.join(scalar(v) for v in value)}]" if isinstance(value, list)
-             else f"{key} = {scalar(value)}" for key, value in data.items() if not is_table(value)]
-    for key, value in data.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, dict):
-            lines += ["", f"[{path}]", to_toml(value, f"{path}.")]
-        elif is_table(value):
-            for entry in value:
-                lines += ["", f"[[{path}]]", to_toml(entry, f"{path}.")]
-    return "\n".join(line for line in lines if line is not None).strip("\n")
-
-
-def lean_project(root: Path) -> None:
-    """A project root whose lean/ reads the repository's laws but has a Generated/ of its own."""
-    (root / "lean" / "Generated").mkdir(parents=True, exist_ok=True)
-    if not (root / "lean" / "PyML").exists():
-        (root / "lean" / "PyML").symlink_to(ROOT / "lean" / "PyML")
+def to_toml(data: dict) -> str:
+    """A spec's data as TOML, for messages and the corpus."""
+    return spec_toml(data, "a spec the fuzzer drew")
 
 
 def generated_package(data: dict):
     """The generated package of the spec `data`, imported under a name of its own."""
-    text = to_toml(data) + "\n"
-    # the generator, its templates and the shared modules are part of what was generated
-    sources = json.dumps([generator_hash(), template_hashes(), shared_hashes()], sort_keys=True)
-    digest = hashlib.sha256((text + sources).encode()).hexdigest()[:16]
-    root = FUZZ_DIR / digest
-    spec_path = root / "specs" / f"{data['name']}.toml"
-    spec = parse_spec(tomllib.loads(text), str(spec_path))
-    if not (root / "gen" / spec.name / "MANIFEST.json").exists():
-        spec_path.parent.mkdir(parents=True, exist_ok=True)
-        spec_path.write_text(text)
-        lean_project(root)
-        write_generated(spec, spec_path, root)
-    module_name = f"fuzz_{digest}"
-    if module_name not in sys.modules:
-        package_dir = root / "gen" / spec.name
-        found = importlib.util.spec_from_file_location(
-            module_name, package_dir / "__init__.py", submodule_search_locations=[str(package_dir)])
-        module = importlib.util.module_from_spec(found)
-        sys.modules[module_name] = module
-        found.loader.exec_module(module)
-    return spec, sys.modules[module_name]
+    return derived_package(data, FUZZ_DIR)
 
 
 def random_tensors(package, seed: int) -> dict[str, np.ndarray]:
