@@ -28,6 +28,8 @@ from pyml.spec.models import DecoderModel, SequentialModel
 # The Lean laws each kernel kind's adjoint implements; recorded in the manifest by statement hash.
 KIND_LAWS = {
     "linear": ("linear_input_adjoint", "linear_weight_adjoint_input", "linear_weight_adjoint_weight"),
+    # a frozen weight has no gradient; its adapters' laws are in each op's instances
+    "frozen_linear": ("linear_input_adjoint", "linear_weight_adjoint_input"),
     "embedding": ("embedding_adjoint",),
     "attention": ("matmul_adjoint_left", "matmul_adjoint_right"),
     "rope": ("rotation_adjoint",),
