@@ -7,6 +7,8 @@ those two in float64 instead: the reference is then Llama's math in float64, whi
 float64 kernels claim to compute. Float32 runs transformers unchanged.
 """
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +17,12 @@ from transformers.models.llama import modeling_llama
 
 import gen.llama_tiny as tiny
 from gen.llama_tiny import model as tiny_model
+from pyml.spec import load_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+# read from the spec, not the generated package: a kernel that ignored the spec's theta would
+# otherwise agree with a reference built from its own constant
+ROPE_THETA = load_spec(ROOT / "specs" / "llama_tiny.toml").block.attention.rope.theta
 
 
 def tiny_config():
@@ -23,7 +31,7 @@ def tiny_config():
         num_hidden_layers=tiny_model.N_LAYERS, num_attention_heads=tiny_model.N_HEADS,
         num_key_value_heads=tiny_model.N_KV_HEADS, head_dim=tiny_model.HEAD_DIM,
         max_position_embeddings=tiny_model.MAX_SEQ_LEN, rms_norm_eps=1e-5,
-        rope_theta=10000.0, tie_word_embeddings=True,
+        rope_theta=ROPE_THETA, tie_word_embeddings=True,
     )
 
 
@@ -33,7 +41,7 @@ def rms_norm_in_input_dtype(self, hidden):
 
 
 def rotary_in_float64(self, x, position_ids):
-    head_dim, theta = tiny_model.HEAD_DIM, 10000.0
+    head_dim, theta = tiny_model.HEAD_DIM, ROPE_THETA
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float64) / head_dim
     freqs = position_ids[..., None].to(torch.float64) * (1.0 / theta**exponents)
     angles = torch.cat((freqs, freqs), dim=-1)

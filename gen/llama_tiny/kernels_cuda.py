@@ -573,10 +573,10 @@ def o_proj_backward(x, w, dy, dx, dw):
 
 
 # Rotary position embedding rope (CUDA, Hugging Face Llama rotate_half form), head_dim=8,
-# theta=10000.0, max_seq_len=64. out1 = x1 * cos - x2 * sin, out2 = x2 * cos + x1 * sin.
+# theta=50000.0, max_seq_len=64. out1 = x1 * cos - x2 * sin, out2 = x2 * cos + x1 * sin.
 ROPE_HEAD_DIM = 8
 ROPE_HALF = 4
-ROPE_THETA = 10000.0
+ROPE_THETA = 50000.0
 ROPE_MAX_SEQ_LEN = 64
 
 
