@@ -96,23 +96,54 @@ def test_loss_logits_and_gradients_match_transformers(dtype, rtol, monkeypatch):
             assert relative_error(grads[name], param.grad.numpy()) < rtol, name
 
 
-def test_ten_adamw_steps_track_torch(monkeypatch):
+# Gradient norms of llama_tiny's batches measured from its seed-0 weights: about 1.7-2.0 for
+# 12-token batches, 2.8-3.9 for 4-token ones. Alternating the two puts every other step on each
+# side of a 2.5 limit; the test asserts that it did.
+CLIP_LIMIT = 2.5
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, CLIP_LIMIT])
+def test_ten_adamw_steps_track_torch(max_grad_norm, monkeypatch):
+    """Ten steps against torch.optim.AdamW, and with a limit against torch.nn.utils.clip_grad_norm_
+    before each step: losses, final weights, and what the steps changed (to 1e-9 relative)."""
     ref = reference(torch.float64, monkeypatch)
     model = ours_like(ref, np.float64)
+    start = model.host_tensors()
     settings = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
-    ours = tiny.AdamW(model, **settings)
+    ours = tiny.AdamW(model, **settings, max_grad_norm=max_grad_norm)
     theirs = torch.optim.AdamW(ref.parameters(), **settings)
+    norms = []
     for step in range(10):
-        ids, targets = batch(seed=step)
+        ids, targets = batch(seed=step, T=12 if step % 2 == 0 else 4)
         theirs.zero_grad()
         _, loss = reference_loss(ref, ids, targets)
         loss.backward()
+        if max_grad_norm is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm).item())
         theirs.step()
         assert tiny.train_step(model, ours, ids, targets) == pytest.approx(loss.item(), rel=1e-9)
+    if max_grad_norm is not None:
+        assert min(norms) < max_grad_norm < max(norms), norms  # clipped steps and unclipped ones
     tensors = model.host_tensors()
     for name, param in ref.named_parameters():
         if name != "lm_head.weight":
-            assert relative_error(tensors[name], param.detach().numpy()) < 1e-9, name
+            theirs_now = param.detach().numpy()
+            assert relative_error(tensors[name], theirs_now) < 1e-9, name
+            assert relative_error(tensors[name] - start[name], theirs_now - start[name]) < 1e-9, name
+
+
+def test_decoding_in_float64_equals_the_full_forward():
+    """The KV-cache path against the full forward pass on the same tokens, position by position,
+    for two sequences at once and from a one-token prompt: the same float64 math, so to 1e-12."""
+    model = tiny.Model.initialized(seed=3, dtype=np.float64)
+    ids = np.random.default_rng(3).integers(0, tiny_model.VOCAB, (2, 40))
+    full = model.forward(ids)
+    for prompt in (1, 17):
+        cache, logits = model.start_decoding(ids[:, :prompt], ids.shape[1])
+        assert relative_error(logits, full[:, prompt - 1]) < 1e-12
+        for position in range(prompt, ids.shape[1]):
+            logits = model.decode(cache, ids[:, position])
+            assert relative_error(logits, full[:, position]) < 1e-12, position
 
 
 def test_bad_batches_are_user_errors():

@@ -84,10 +84,20 @@ def test_ctrl_c_saves_the_step_in_flight_and_resume_continues(tiny_text, tmp_pat
         return llama.train_step(model, optimizer, inputs, targets)
 
     interrupting = SimpleNamespace(AdamW=llama.AdamW, train_step=train_step_with_ctrl_c)
-    stopped, _ = train_tiny(tiny_text, tmp_path / "run", config(steps=6), package=interrupting)
+    # the handler in place before the run must be back after it. A handler of the test's own, not
+    # whatever pytest started with (default_int_handler, or SIG_IGN when started in the background
+    # or under nohup), so that restoring some fixed handler instead fails too.
+    def handler_before_the_run(signum, frame):
+        raise KeyboardInterrupt
+
+    outside = signal.signal(signal.SIGINT, handler_before_the_run)
+    try:
+        stopped, _ = train_tiny(tiny_text, tmp_path / "run", config(steps=6), package=interrupting)
+        assert signal.getsignal(signal.SIGINT) is handler_before_the_run
+    finally:
+        signal.signal(signal.SIGINT, outside)
     assert stopped.interrupted and stopped.step == 4
     assert latest_checkpoint(tmp_path / "run") == tmp_path / "run" / "step_000004"
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
     resumed, _ = train_tiny(tiny_text, tmp_path / "run", config(steps=6), resume=True)
     straight, _ = train_tiny(tiny_text, tmp_path / "straight", config(steps=6))
