@@ -34,6 +34,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -190,8 +191,10 @@ def fresh_mutant_cache() -> None:
 # --- running the tests ----------------------------------------------------------------------------
 
 def environment(cache: Path, bytecode: bool) -> dict:
-    env = dict(os.environ, NUMBA_CACHE_DIR=str(cache), TMPDIR=str(TMP), HF_HUB_OFFLINE="1")
-    env.pop("PYTHONPATH", None)
+    # PYTHONPATH: a test's subprocess started in another folder (`pyml gen` in a temporary project)
+    # would otherwise import pyml from wherever it is installed, not the scratch tree
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(cache), TMPDIR=str(TMP), HF_HUB_OFFLINE="1",
+               PYTHONPATH=str(TREE))
     if not bytecode:
         env["PYTHONDONTWRITEBYTECODE"] = "1"
     return env
@@ -310,10 +313,11 @@ def commit_of_source() -> str:
 def baseline() -> float:
     """Regenerate and run the fast suite unmutated in the scratch tree; its duration in seconds."""
     env = environment(BASE_CACHE, bytecode=True)
-    imported = subprocess.run([sys.executable, "-c", "import gen, pyml; print(pyml.__file__, gen.__file__)"],
-                              cwd=TREE, env=env, capture_output=True, text=True).stdout.split()
-    if not imported or not all(Path(path).is_relative_to(TREE) for path in imported):
-        sys.exit(f"mutants: python in {TREE} imports pyml and gen from {imported}, not the scratch tree")
+    for folder in (TREE, TMP):  # the tests' own processes, and those they start elsewhere
+        imported = subprocess.run([sys.executable, "-c", "import gen, pyml; print(pyml.__file__, gen.__file__)"],
+                                  cwd=folder, env=env, capture_output=True, text=True).stdout.split()
+        if not imported or not all(Path(path).is_relative_to(TREE) for path in imported):
+            sys.exit(f"mutants: python in {folder} imports pyml and gen from {imported}, not {TREE}")
     generated = regenerate(env)
     if generated.returncode != 0:
         sys.exit(f"mutants: `pyml gen` fails on the unmutated tree:\n{generated.stderr}")
@@ -327,6 +331,8 @@ def baseline() -> float:
 
 
 def main() -> int:
+    # a kill ends the run through the `finally` that puts the mutated files back
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("ids", nargs="*", help="run only these catalogue entries")
     args = parser.parse_args()

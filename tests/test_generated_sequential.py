@@ -10,6 +10,7 @@ the same way.
 
 import hashlib
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -179,8 +180,10 @@ def generated_package(spec_text, tmp_path):
     (project / "specs").mkdir(parents=True)
     shutil.copytree(ROOT / "lean", project / "lean", ignore=shutil.ignore_patterns("Generated", ".lake"))
     (project / "specs" / f"{name}.toml").write_text(spec_text)
+    # this tree's pyml, whichever one is installed: the generator under test is the one beside the test
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run([sys.executable, "-m", "pyml.cli", "gen", f"specs/{name}.toml"],
-                            cwd=project, capture_output=True, text=True, timeout=300)
+                            cwd=project, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     return import_package(project / "gen" / name)
 
