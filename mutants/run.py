@@ -277,8 +277,8 @@ def try_mutant(mutant: Mutant, killers: dict, times: dict, timeout: float) -> Ou
         shown = [str(p.relative_to(TREE)) for p in changed if p != path]
         note = f" (regenerated {len(shown)} file(s))" if shown else ""
 
-        first = list(dict.fromkeys([*([killers[mutant.id]] if mutant.id in killers else []),
-                                    *mutant.tests]))
+        # the catalogue's tests are chosen to be quick; the last killer may be any test
+        first = list(dict.fromkeys([*mutant.tests, *([killers[mutant.id]] if mutant.id in killers else [])]))
         if first:
             status, failure = run_pytest(first, env, timeout)
             if status in ("failed", "timeout"):
