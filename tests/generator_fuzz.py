@@ -139,7 +139,7 @@ def mlp(draw, dim):
 
 @st.composite
 def block_layer(draw, dim, n_layers, max_len, depth=0):
-    kinds = ["rmsnorm", "attention", "mlp"] + (["residual"] if depth == 0 else [])
+    kinds = ["rmsnorm", "attention", "mlp"] + (["residual"] if depth < 2 else [])
     kind = draw(st.sampled_from(kinds))
     if kind == "rmsnorm":
         return draw(rmsnorm(dim))
@@ -197,7 +197,7 @@ def sequential_layers(draw, width, depth=0):
     layers = []
     for _ in range(draw(st.integers(1, 3))):
         kind = draw(st.sampled_from(["linear", "relu", "gelu", "silu", "rmsnorm"]
-                                    + (["residual"] if depth == 0 else [])))
+                                    + (["residual"] if depth < 2 else [])))
         if kind == "linear":
             out = draw(FEATURES)
             layers.append({"kind": "linear", "in_features": width, "out_features": out,

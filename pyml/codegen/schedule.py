@@ -112,9 +112,13 @@ class Backward:
 
 
 def plan_layout(graph: Graph) -> Layout:
-    """Saved storages, and each gradient's buffer: a residual join gives its gradient buffer to
-    each input whose gradient nothing after the join has written yet (walking in reverse, so a
-    chain of joins shares one buffer)."""
+    """Saved storages, and each gradient's buffer. A residual join `out = x + body(x)` passes its
+    output gradient to both inputs: the body's output takes the join's gradient buffer (it reads it
+    once, at its producer), and so does the skip input x, whose gradient then accumulates there,
+    where nothing after the join has written x's gradient yet. Walking in reverse, a chain of
+    joins (the residual stream) shares one buffer. When the body ends in another join, its output
+    gets a copy in a buffer of its own instead: that inner join hands its buffer on to its own
+    skip, whose gradient accumulates there while x's is still accumulating in the outer one."""
     saved: set[str] = set()
     for op in graph.ops():
         reads = BACKWARD_READS[op.kind]
@@ -127,13 +131,18 @@ def plan_layout(graph: Graph) -> Layout:
     grad_home = {name: "stream" if storage.scope == "stream" else name
                  for name, storage in graph.storages.items() if storage.dtype == "float"}
     grad_home[graph.values[graph.logits].storage] = "in_place"
+    producers = {value: op for op in graph.ops() for value in op.outputs}
     for ops in (graph.tail, graph.block, graph.head):
         touched: set[str] = set()
         for op in reversed(ops):
             inputs = [graph.values[v] for v in op.inputs if graph.values[v].storage in grad_home]
             if op.kind == "residual":
                 home = grad_home[graph.values[op.outputs[0]].storage]
+                skip, body_out = op.inputs
+                nested = producers[body_out].kind == "residual"
                 for value in inputs:
+                    if value.name == body_out and nested:
+                        continue
                     if (value.view == "" and value.storage not in touched
                             and grad_home[value.storage] != "stream"):
                         grad_home[value.storage] = home
