@@ -47,6 +47,9 @@ WORLD_SIZE_VARIABLES = (
 THREAD_VARIABLES = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 DEFAULT_PEER_TIMEOUT = 300.0  # seconds: above a checkpoint save or an evaluation on rank 0
 ABORT_GRACE = 2.0  # seconds another rank waits before aborting: rank 0, failing alike, speaks first
+# seconds between the last line and MPI_Abort: the launcher relays a rank's stderr through a pipe,
+# and an abort that comes first can kill the relay before the line is out (seen on a loaded CI)
+OUTPUT_DRAIN = 1.0
 STATUS_TAG, STATUSES_TAG = 1, 2
 
 
@@ -284,6 +287,7 @@ class MpiWorld:
                 traceback.print_exception(error)  # a bug: its traceback, then the line
             line = f"error: rank {self.rank}: {describe(error)}; stopping every rank"
         print(line, file=sys.stderr, flush=True)
+        time.sleep(OUTPUT_DRAIN)
         self.MPI.COMM_WORLD.Abort(2)  # MPICH adds a line of its own: "Abort(2) on node ..."
 
 
