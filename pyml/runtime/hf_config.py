@@ -112,7 +112,9 @@ def described_config(spec: DecoderModel) -> tuple[dict[str, object], list[str]]:
         return fields, not_describable(spec, attention, mlp, gemma)
     types = [attention.type_of_layer(l) for l in range(spec.block.count)]
     sliding = [kind for kind in types if kind.window]
+    full = [kind for kind in types if not kind.window]
     fields |= {
+        "rope_theta": full[0].rope_theta if full else fields["rope_theta"],
         "rope_local_base_freq": sliding[0].rope_theta if sliding else None,
         "sliding_window": sliding[0].window if sliding else None,
         "layer_types": ["sliding_attention" if kind.window else "full_attention" for kind in types],
