@@ -10,7 +10,7 @@ SPECS := $(wildcard specs/*.toml)
 export NUMBA_CACHE_DIR ?= $(CURDIR)/.numba_cache
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup demo test test-fast test-slow gen check prove bench lint clean
+.PHONY: setup demo test test-fast test-slow gen check prove bench lint mutants clean
 
 setup: $(STAMP)
 
@@ -72,3 +72,8 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .numba_cache .pytest_cache .hypothesis
+
+# Plant each bug of mutants/catalogue.toml in a scratch copy and check that a fast test fails
+# (mutants/run.py says how); not part of `make test`: about 30 minutes on the shared 2-core machine.
+mutants: $(STAMP)
+	$(BIN)/python mutants/run.py

@@ -137,7 +137,8 @@ def case_linear(target: Target, seed: int, bias: bool):
     # forward: Y = X Wᵀ (+ 1 bᵀ)
     expected_y = exact.mat_mul(X, exact.transpose(W))
     if bias:
-        expected_y = [exact.vec_add(row, B) for row in expected_y]
+        expected_y = [exact.vec_add(row, bias_row)
+                      for row, bias_row in zip(expected_y, exact.broadcast(n, B), strict=True)]
         y = run(target, kern.fc_forward, x, w, b, y0)[3]
     else:
         y = run(target, kern.fc_forward, x, w, y0)[2]
@@ -153,10 +154,9 @@ def case_linear(target: Target, seed: int, bias: bool):
     assert_exact(dx, exact.mat_mul(G, W), "linear dX = G W")
     assert_exact(dw, exact.mat_mul(exact.transpose(G), X), "linear dW = Gᵀ X")
     if bias:
-        # the bias term is the product 1 bᵀ of the (n x 1) ones column and the (1 x m) row bᵀ:
-        # its right-argument adjoint is 1ᵀ G, the column sums of G
-        ones = [[1] for _ in range(n)]
-        assert_exact(db, exact.mat_mul(exact.transpose(ones), G)[0], "linear db = 1ᵀ G")
+        # the bias term broadcasts b to every row: its adjoint is the column sum (Lean law
+        # bias_adjoint)
+        assert_exact(db, exact.col_sum(G), "linear db = colSum G")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,6 +224,58 @@ def case_residual(target: Target, seed: int):
     dx = run(target, kern.add_into, dx0, g)[0]
     expected = [exact.vec_add(a, b) for a, b in zip(as_ints(dx0), as_ints(g), strict=True)]
     assert_exact(dx, expected, "residual backward dx += dout")
+
+
+# ---------------------------------------------------------------------------------------------
+# a frozen linear map with LoRA adapters
+
+
+def case_frozen_linear(target: Target, seed: int):
+    """y = x Wᵀ with adapters scale (x Aᵢᵀ) Bᵢᵀ added to two row blocks; W frozen. Scale 2 (alpha /
+    rank, a power of two) keeps the products exact."""
+    d = Draw(seed)
+    n, k, rank = d.size(), d.size(), d.size(3)
+    first, second = d.size(3), d.size(3)  # rows of the two adapted blocks, then one left alone
+    m = first + second + 1
+    adapters = ((0, first), (first, first + second))
+    kern = target.kernels([("frozen_linear", dict(p="fc", in_features=k, out_features=m,
+                                                  bias=False, adapters=adapters, rank=rank,
+                                                  scale=2.0))])
+    x, w, g = d.ints(n, k), d.ints(m, k), d.ints(n, m)
+    a = [d.ints(rank, k) for _ in adapters]
+    b = [d.ints(stop - start, rank) for start, stop in adapters]
+    X, W, G = as_ints(x), as_ints(w), as_ints(g)
+    A, Bs = [as_ints(t) for t in a], [as_ints(t) for t in b]
+    garbage = 99.0
+    h0 = [np.full((n, rank), garbage) for _ in adapters]
+    out = run(target, kern.fc_forward, x, w, a[0], b[0], a[1], b[1], np.full((n, m), garbage), *h0)
+    y, h = out[6], out[7:]
+    H = [exact.mat_mul(X, exact.transpose(Ai)) for Ai in A]
+    expected = exact.mat_mul(X, exact.transpose(W))
+    for (start, stop), Hi, Bi in zip(adapters, H, Bs, strict=True):
+        lora = exact.mat_mul(Hi, exact.transpose(Bi))  # B A applied to x: compose_adjoint's chain
+        for row, lora_row in zip(expected, lora, strict=True):
+            row[start:stop] = exact.vec_add(row[start:stop], exact.smul(2, lora_row))
+    assert_exact(y, expected, "frozen linear forward Y = X Wᵀ + 2 (X Aᵀ) Bᵀ per adapter")
+    for hi, Hi in zip(h, H, strict=True):
+        assert_exact(hi, Hi, "frozen linear saves H = X Aᵀ")
+
+    grads0 = [np.full(t.shape, garbage) for pair in zip(a, b) for t in pair]
+    out = run(target, kern.fc_backward, x, w, a[0], b[0], a[1], b[1], h[0], h[1], g,
+              np.full((n, k), garbage), *grads0)
+    dx, da0, db0, da1, db1 = out[9], out[10], out[11], out[12], out[13]
+    expected_dx = exact.mat_mul(G, W)
+    for (start, stop), Ai, Bi, Hi, da, db in zip(adapters, A, Bs, H, (da0, da1), (db0, db1),
+                                                 strict=True):
+        G_part = [row[start:stop] for row in G]
+        # the adapter's output is 2 H Bᵀ: dB = 2 Gᵀ H, dH = 2 G B, dA = dHᵀ X, dX += dH A
+        assert_exact(db, exact.mat_mul(exact.transpose([exact.smul(2, r) for r in G_part]), Hi),
+                     "adapter dB = 2 Gᵀ H")
+        dH = [exact.smul(2, r) for r in exact.mat_mul(G_part, Bi)]
+        assert_exact(da, exact.mat_mul(exact.transpose(dH), X), "adapter dA = dHᵀ X")
+        expected_dx = [exact.vec_add(r, s) for r, s in zip(expected_dx, exact.mat_mul(dH, Ai),
+                                                           strict=True)]
+    assert_exact(dx, expected_dx, "frozen linear dX = G W + Σ dH A (no dW: W is frozen)")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from conformance_cases import (  # noqa: E402
     case_attention_backward,
     case_attention_forward_one_token,
     case_embedding,
+    case_frozen_linear,
     case_linear,
     case_relu_backward,
     case_residual,
@@ -36,6 +37,12 @@ SEEDS = range(5)
 def test_simulator_is_on():
     """The cases below run on Numba's CUDA simulator (device arrays are the simulator's)."""
     assert "simulator" in type(cuda.to_device(np.zeros(1))).__module__
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_frozen_linear_with_lora_adapters(seed):
+    """the frozen linear map with LoRA adapters, as tests/test_conformance.py on the CPU."""
+    case_frozen_linear(CUDA, seed)
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -1,90 +1,48 @@
 """Random valid specs, generated packages built from them, and their comparison with the torch
 reference (`tests/torch_reference.py`). Shared by the CPU fuzz test and its CUDA-simulator twin.
 
-A package is generated into a folder named by the hash of its spec under the system temp dir and
-written only when absent, so Numba's cache (keyed on file path and mtime) compiles a spec once per
-machine: the regression corpus costs its compile time once.
+A package is generated (`pyml.codegen.derived`) into a folder named by the hash of its spec under
+the system temp dir and written only when absent, so Numba's cache (keyed on file path and mtime)
+compiles a spec once per machine: the regression corpus costs its compile time once.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
-import json
-import sys
 import tempfile
-import tomllib
 from pathlib import Path
 
 import numpy as np
 from hypothesis import strategies as st
 
-from pyml.codegen.emit import write_generated
+from pyml.codegen.derived import derived_package
+from pyml.errors import PymlError
+from pyml.runtime.spec_toml import spec_toml
 from pyml.spec import parse_spec
 from torch_reference import Reference, loss_and_grads
 
-ROOT = Path(__file__).resolve().parents[1]
 FUZZ_DIR = Path(tempfile.gettempdir()) / "pyml-generator-fuzz"
 CORPUS = Path(__file__).resolve().parent / "fuzz_corpus"
 RTOL = 1e-9
 
 
-def to_toml(data: dict, prefix: str = "") -> str:
-    """A spec's data as TOML (for messages and the corpus): scalars, tables, arrays of tables."""
-    def scalar(value):
-        if isinstance(value, bool):
-            return "true" if value else "false"
-        if isinstance(value, str):
-            return json.dumps(value)
-        return repr(value)
-
-    lines = [f"{key} = {scalar(value)}" for key, value in data.items()
-             if not isinstance(value, (dict, list))]
-    for key, value in data.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, dict):
-            lines += ["", f"[{path}]", to_toml(value, f"{path}.")]
-        elif isinstance(value, list):
-            for entry in value:
-                lines += ["", f"[[{path}]]", to_toml(entry, f"{path}.")]
-    return "\n".join(line for line in lines if line is not None).strip("\n")
-
-
-def lean_project(root: Path) -> None:
-    """A project root whose lean/ reads the repository's laws but has a Generated/ of its own."""
-    (root / "lean" / "Generated").mkdir(parents=True, exist_ok=True)
-    if not (root / "lean" / "PyML").exists():
-        (root / "lean" / "PyML").symlink_to(ROOT / "lean" / "PyML")
+def to_toml(data: dict) -> str:
+    """A spec's data as TOML, for messages and the corpus."""
+    return spec_toml(data, "a spec the fuzzer drew")
 
 
 def generated_package(data: dict):
     """The generated package of the spec `data`, imported under a name of its own."""
-    text = to_toml(data) + "\n"
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    root = FUZZ_DIR / digest
-    spec_path = root / "specs" / f"{data['name']}.toml"
-    spec = parse_spec(tomllib.loads(text), str(spec_path))
-    if not (root / "gen" / spec.name / "MANIFEST.json").exists():
-        spec_path.parent.mkdir(parents=True, exist_ok=True)
-        spec_path.write_text(text)
-        lean_project(root)
-        write_generated(spec, spec_path, root)
-    module_name = f"fuzz_{digest}"
-    if module_name not in sys.modules:
-        package_dir = root / "gen" / spec.name
-        found = importlib.util.spec_from_file_location(
-            module_name, package_dir / "__init__.py", submodule_search_locations=[str(package_dir)])
-        module = importlib.util.module_from_spec(found)
-        sys.modules[module_name] = module
-        found.loader.exec_module(module)
-    return spec, sys.modules[module_name]
+    return derived_package(data, FUZZ_DIR)
 
 
 def random_tensors(package, seed: int) -> dict[str, np.ndarray]:
     """Weights large enough that every non-linearity bends: matrices N(0, 1/fan_in), gains near 1
     (near 0 where the gain is 1 + w), biases N(0, 0.3)."""
     rng = np.random.default_rng(seed)
-    table = package.model.tensor_table(package.Parameters(np.zeros(package.Parameters.SIZE)))
+    host = package.Model.host_parameters()
+    table = dict(package.Model.TENSOR_TABLE(host))
+    if package.Model.FROZEN_TENSOR_TABLE is not None:
+        table |= package.Model.FROZEN_TENSOR_TABLE(host)
     tensors = {}
     for name, (view, init, _) in table.items():
         if view.ndim == 2:
@@ -125,9 +83,11 @@ def check_against_torch(data: dict, batch: tuple[int, int], seed: int, device: s
     ours = model.loss_and_grads(inputs, targets)
     assert abs(ours - loss) <= RTOL * abs(loss), f"loss {ours} != {loss}"
     our_grads = model.tensors(package.Parameters(model.device.to_host(model.grads.flat)))
-    floor = max(1e-7 * max(np.abs(grad).max() for grad in grads.values()), 1e-30)
-    for name, grad in grads.items():
-        assert relative_error(our_grads[name], grad, floor) < RTOL, f"gradient of {name}"
+    # the trainable parameters' gradients: every one, unless the spec freezes a base (LoRA)
+    assert set(our_grads) <= set(grads) and (our_grads or not grads)
+    floor = max(1e-7 * max(np.abs(grads[name]).max() for name in our_grads), 1e-30)
+    for name in our_grads:
+        assert relative_error(our_grads[name], grads[name], floor) < RTOL, f"gradient of {name}"
     if spec.form == "decoder" and T > 1:
         cache, last = model.start_decoding(inputs[:, :1], T)
         for position in range(1, T):
@@ -179,7 +139,7 @@ def mlp(draw, dim):
 
 @st.composite
 def block_layer(draw, dim, n_layers, max_len, depth=0):
-    kinds = ["rmsnorm", "attention", "mlp"] + (["residual"] if depth == 0 else [])
+    kinds = ["rmsnorm", "attention", "mlp"] + (["residual"] if depth < 2 else [])
     kind = draw(st.sampled_from(kinds))
     if kind == "rmsnorm":
         return draw(rmsnorm(dim))
@@ -216,9 +176,20 @@ def decoder_specs(draw, max_len=8):
     embedding = {"vocab_size": vocab, "dim": dim}
     if draw(st.booleans()):
         embedding["scale"] = float(np.sqrt(dim))
-    return {"name": "fuzz_decoder", "form": "decoder", "max_seq_len": max_len,
+    spec = {"name": "fuzz_decoder", "form": "decoder", "max_seq_len": max_len,
             "embedding": embedding, "block": block, "final_norm": draw(rmsnorm(dim)),
             "lm_head": {"dim": dim, "vocab_size": vocab, "tied": draw(st.booleans())}}
+    if draw(st.integers(0, 3)) == 0:  # a LoRA model: the base frozen, adapters on some projections
+        targets = draw(st.lists(st.sampled_from(["q", "k", "v", "o", "gate", "up", "down"]),
+                                min_size=1, max_size=7, unique=True))
+        with_lora = spec | {"lora": {"rank": 1, "alpha": draw(st.sampled_from([1.0, 8.0])),
+                                     "targets": targets}}
+        try:
+            parse_spec(with_lora, "fuzz")
+        except PymlError:
+            return spec  # the targets name no projection this block has
+        return with_lora
+    return spec
 
 
 @st.composite
@@ -226,7 +197,7 @@ def sequential_layers(draw, width, depth=0):
     layers = []
     for _ in range(draw(st.integers(1, 3))):
         kind = draw(st.sampled_from(["linear", "relu", "gelu", "silu", "rmsnorm"]
-                                    + (["residual"] if depth == 0 else [])))
+                                    + (["residual"] if depth < 2 else [])))
         if kind == "linear":
             out = draw(FEATURES)
             layers.append({"kind": "linear", "in_features": width, "out_features": out,

@@ -16,6 +16,7 @@ from conformance_cases import (
     case_attention_backward,
     case_attention_forward_one_token,
     case_embedding,
+    case_frozen_linear,
     case_linear,
     case_relu_backward,
     case_residual,
@@ -33,6 +34,14 @@ def test_linear(seed, bias):
     linear_weight_adjoint_weight), db == matMul (transpose 1) G, the column sums (law
     matmul_adjoint_right for the bias term 1 bᵀ)."""
     case_linear(CPU, seed, bias)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_frozen_linear_with_lora_adapters(seed):
+    """a frozen linear map with LoRA adapters: forward == X Wᵀ plus, per adapter, smul 2 of
+    matMul (matMul X Aᵀ) Bᵀ (compose_adjoint's chain); dX == G W + dH A, dA == dHᵀ X, dB == 2 Gᵀ H
+    (laws linear_weight_adjoint_input and _weight, smul_adjoint); no gradient of W."""
+    case_frozen_linear(CPU, seed)
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -7,7 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from generator_fuzz import generated_package, lean_project, to_toml
+from generator_fuzz import generated_package, to_toml
+from pyml.codegen.derived import lean_project
 from pyml.errors import PymlError
 
 HUGE = {"name": "huge_mlp", "form": "sequential", "input_dim": 8, "output_dim": 4,

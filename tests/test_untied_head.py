@@ -6,49 +6,24 @@ generated fine and crashed on its first backward pass."""
 import numpy as np
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.models.llama import modeling_llama
 
 from generator_fuzz import generated_package, relative_error
+from hf_reference import float64_llama, reference_loss
 
-THETA = 50000.0
 SPEC = {
     "name": "llama_untied", "form": "decoder", "max_seq_len": 32,
     "embedding": {"vocab_size": 53, "dim": 24},
     "block": {"count": 2, "attn_norm": {"dim": 24}, "mlp_norm": {"dim": 24},
               "attention": {"dim": 24, "n_heads": 4, "n_kv_heads": 2, "head_dim": 6,
-                            "rope": {"theta": THETA}},
+                            "rope": {"theta": 50000.0}},
               "mlp": {"dim": 24, "hidden": 40}},
     "final_norm": {"dim": 24}, "lm_head": {"dim": 24, "vocab_size": 53, "tied": False},
 }
 
 
-def rms_norm_in_input_dtype(self, hidden):
-    variance = hidden.pow(2).mean(-1, keepdim=True)
-    return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon))
-
-
-def rotary_in_float64(self, x, position_ids):
-    head_dim = SPEC["block"]["attention"]["head_dim"]
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float64) / head_dim
-    freqs = position_ids[..., None].to(torch.float64) * (1.0 / THETA**exponents)
-    angles = torch.cat((freqs, freqs), dim=-1)
-    return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-
-
 @pytest.fixture
 def models(monkeypatch):
-    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", rms_norm_in_input_dtype)
-    monkeypatch.setattr(modeling_llama.LlamaRotaryEmbedding, "forward", rotary_in_float64)
-    attention = SPEC["block"]["attention"]
-    config = LlamaConfig(
-        vocab_size=53, hidden_size=24, intermediate_size=40, num_hidden_layers=2,
-        num_attention_heads=attention["n_heads"], num_key_value_heads=attention["n_kv_heads"],
-        head_dim=attention["head_dim"], max_position_embeddings=32, rms_norm_eps=1e-5,
-        rope_theta=THETA, tie_word_embeddings=False)
-    torch.manual_seed(0)
-    reference = LlamaForCausalLM(config).to(torch.float64)
-    reference.config._attn_implementation = "sdpa"
+    reference = float64_llama(monkeypatch, SPEC)
     _, package = generated_package(SPEC)
     model = package.Model(dtype=np.float64)
     model.load_tensors({n: t.detach().numpy() for n, t in reference.state_dict().items()}, "reference")
@@ -58,11 +33,6 @@ def models(monkeypatch):
 def batch(seed):
     rng = np.random.default_rng(seed)
     return rng.integers(0, 53, (2, 10)), rng.integers(0, 53, (2, 10))
-
-
-def reference_loss(reference, ids, targets):
-    logits = reference(torch.tensor(ids)).logits
-    return logits, torch.nn.functional.cross_entropy(logits.reshape(-1, 53), torch.tensor(targets).reshape(-1))
 
 
 def test_untied_head_loss_logits_and_gradients_match_transformers(models):

@@ -73,14 +73,23 @@ class Reference(torch.nn.Module):
 
     # -- decoder ----------------------------------------------------------------------------------
 
+    def projection(self, name: str, x, bias: bool, target: str):
+        """x W^T (+ b), and with a LoRA adapter on `target`, + (alpha / rank) (x A^T) B^T."""
+        y = x @ self.w(f"{name}.weight").T
+        if bias:
+            y = y + self.w(f"{name}.bias")
+        lora = getattr(self.spec, "lora", None)
+        if lora is not None and target in lora.targets:
+            y = y + lora.scale * ((x @ self.w(f"{name}.lora_A.weight").T)
+                                  @ self.w(f"{name}.lora_B.weight").T)
+        return y
+
     def attention(self, a: Attention, prefix: str, x, layer: int):
         B, T, _ = x.shape
         H, KV, HD = a.n_heads, a.n_kv_heads, a.head_dim
 
         def project(part, heads):
-            y = x @ self.w(f"{prefix}.{part}_proj.weight").T
-            if a.qkv_bias:
-                y = y + self.w(f"{prefix}.{part}_proj.bias")
+            y = self.projection(f"{prefix}.{part}_proj", x, a.qkv_bias, part)
             return y.view(B, T, heads, HD).transpose(1, 2)  # (B, heads, T, HD)
 
         q, k, v = project("q", H), project("k", KV), project("v", KV)
@@ -100,15 +109,12 @@ class Reference(torch.nn.Module):
             allowed &= j > t - kind.window
         scores = scores.masked_fill(~allowed, -math.inf)
         y = torch.softmax(scores, -1) @ v  # (B, H, T, HD)
-        y = y.transpose(1, 2).reshape(B, T, H * HD) @ self.w(f"{prefix}.o_proj.weight").T
-        if a.out_bias:
-            y = y + self.w(f"{prefix}.o_proj.bias")
-        return y
+        return self.projection(f"{prefix}.o_proj", y.transpose(1, 2).reshape(B, T, H * HD),
+                               a.out_bias, "o")
 
     def mlp(self, m: MLP, prefix: str, x):
         def project(part, y):
-            y = y @ self.w(f"{prefix}.{part}_proj.weight").T
-            return y + self.w(f"{prefix}.{part}_proj.bias") if m.bias else y
+            return self.projection(f"{prefix}.{part}_proj", y, m.bias, part)
 
         act = torch.nn.functional.silu if m.activation == "swiglu" else gelu_tanh
         return project("down", act(project("gate", x)) * project("up", x))

@@ -112,16 +112,17 @@ GRAD_BUCKETS = [
 
 
 class Parameters:
-    """Every parameter as a view into one flat buffer, so AdamW is a single pass over `flat`.
-    Each layer's parameters are contiguous, so a layer's gradients form one bucket."""
+    """Every trainable parameter as a view into one flat buffer, so AdamW is a single pass over
+    `flat`. Each layer's parameters are contiguous, so a layer's gradients form one bucket."""
 
     SIZE = 268098176
+    FROZEN_SIZE = 0
     # where each parameter sits in `flat`: checkpoints store the optimizer state as flat buffers
     # and record this, so a state saved under another layout is refused rather than misapplied
     LAYOUT = "embed(262144,640) layers[18](input_layernorm(640) self_attn_qkv(1536,640) self_attn_q_norm(256) self_attn_k_norm(256) self_attn_o(640,1024) post_attention_layernorm(640) pre_feedforward_layernorm(640) mlp_gate_up(4096,640) mlp_down(640,2048) post_feedforward_layernorm(640)) final_norm(640)"
 
-    def __init__(self, flat):
-        self.flat = flat
+    def __init__(self, flat, frozen=None):
+        self.flat, self.frozen = flat, frozen
         self.embed = flat[0:167772160].reshape((262144, 640))
         self.input_layernorm = layer_views(flat, 167772160, 5573632, (640,), N_LAYERS)
         self.self_attn_qkv = layer_views(flat, 167772800, 5573632, (1536, 640), N_LAYERS)
@@ -137,7 +138,8 @@ class Parameters:
 
 
 def tensor_table(params):
-    """Every tensor under its name in tensor files: (view into `params`, initialisation, fan-in)."""
+    """Every trainable tensor under its name in tensor files: (view into `params`,
+    initialisation, fan-in)."""
     table = {}
     table["model.embed_tokens.weight"] = (params.embed, "normal", 0)
     for l in range(N_LAYERS):
@@ -200,7 +202,7 @@ def tensor_table(params):
 
 def hf_tensors(params):
     """The parameters under their names in tensor files (views, not copies)."""
-    return {name: entry[0] for name, entry in tensor_table(params).items()}
+    return Model.tensors(params)
 
 
 class Activations:
@@ -563,10 +565,10 @@ class Model(base.DecoderModel):
                 g.block_in,
                 gr.input_layernorm[l],
             )
-            ready(N_LAYERS - l)
+            ready(1 + N_LAYERS - 1 - l)
         # embed (embedding); Lean: embedding_adjoint, smul_adjoint
         k.embed_backward(s.ids, g.stream_first, gr.embed)
-        ready(N_LAYERS + 1)
+        ready(1 + N_LAYERS)
         return loss
 
     def run_decode(self, c, position):

@@ -608,11 +608,11 @@ def loss_forward(logits, targets):
 
 
 # Rotary position embedding rope_table0 (Hugging Face Llama rotate_half form), head_dim=8,
-# theta=10000.0, max_seq_len=64. With x1 = x[..., :hd/2], x2 = x[..., hd/2:]:
+# theta=50000.0, max_seq_len=64. With x1 = x[..., :hd/2], x2 = x[..., hd/2:]:
 #   out1 = x1 * cos - x2 * sin,  out2 = x2 * cos + x1 * sin
 ROPE_TABLE0_HEAD_DIM = 8
 ROPE_TABLE0_HALF = 4
-ROPE_TABLE0_THETA = 10000.0
+ROPE_TABLE0_THETA = 50000.0
 ROPE_TABLE0_MAX_SEQ_LEN = 64
 
 

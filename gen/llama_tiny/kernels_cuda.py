@@ -812,10 +812,10 @@ def loss_forward(logits, targets):
 
 
 # Rotary position embedding rope_table0 (CUDA, Hugging Face Llama rotate_half form), head_dim=8,
-# theta=10000.0, max_seq_len=64. out1 = x1 * cos - x2 * sin, out2 = x2 * cos + x1 * sin.
+# theta=50000.0, max_seq_len=64. out1 = x1 * cos - x2 * sin, out2 = x2 * cos + x1 * sin.
 ROPE_TABLE0_HEAD_DIM = 8
 ROPE_TABLE0_HALF = 4
-ROPE_TABLE0_THETA = 10000.0
+ROPE_TABLE0_THETA = 50000.0
 ROPE_TABLE0_MAX_SEQ_LEN = 64
 
 

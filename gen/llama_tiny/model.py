@@ -47,16 +47,17 @@ GRAD_BUCKETS = [(21632, 21664), (12352, 21632), (3072, 12352), (0, 3072)]
 
 
 class Parameters:
-    """Every parameter as a view into one flat buffer, so AdamW is a single pass over `flat`.
-    Each layer's parameters are contiguous, so a layer's gradients form one bucket."""
+    """Every trainable parameter as a view into one flat buffer, so AdamW is a single pass over
+    `flat`. Each layer's parameters are contiguous, so a layer's gradients form one bucket."""
 
     SIZE = 21664
+    FROZEN_SIZE = 0
     # where each parameter sits in `flat`: checkpoints store the optimizer state as flat buffers
     # and record this, so a state saved under another layout is refused rather than misapplied
     LAYOUT = "embed(96,32) layers[2](input_layernorm(32) self_attn_qkv(64,32) self_attn_o(32,32) post_attention_layernorm(32) mlp_gate_up(128,32) mlp_down(32,64)) final_norm(32)"
 
-    def __init__(self, flat):
-        self.flat = flat
+    def __init__(self, flat, frozen=None):
+        self.flat, self.frozen = flat, frozen
         self.embed = flat[0:3072].reshape((96, 32))
         self.input_layernorm = layer_views(flat, 3072, 9280, (32,), N_LAYERS)
         self.self_attn_qkv = layer_views(flat, 3104, 9280, (64, 32), N_LAYERS)
@@ -68,7 +69,8 @@ class Parameters:
 
 
 def tensor_table(params):
-    """Every tensor under its name in tensor files: (view into `params`, initialisation, fan-in)."""
+    """Every trainable tensor under its name in tensor files: (view into `params`,
+    initialisation, fan-in)."""
     table = {}
     table["model.embed_tokens.weight"] = (params.embed, "normal", 0)
     for l in range(N_LAYERS):
@@ -111,7 +113,7 @@ def tensor_table(params):
 
 def hf_tensors(params):
     """The parameters under their names in tensor files (views, not copies)."""
-    return {name: entry[0] for name, entry in tensor_table(params).items()}
+    return Model.tensors(params)
 
 
 class Activations:
@@ -368,10 +370,10 @@ class Model(base.DecoderModel):
                 g.block_in,
                 gr.input_layernorm[l],
             )
-            ready(N_LAYERS - l)
+            ready(1 + N_LAYERS - 1 - l)
         # embed (embedding); Lean: embedding_adjoint
         k.embed_backward(s.ids, g.stream_first, gr.embed)
-        ready(N_LAYERS + 1)
+        ready(1 + N_LAYERS)
         return loss
 
     def run_decode(self, c, position):

@@ -31,15 +31,17 @@ GRAD_BUCKETS = [(16576, 17226), (8320, 16576), (0, 8320)]
 
 
 class Parameters:
-    """Every parameter as a view into one flat buffer, so AdamW is a single pass over `flat`."""
+    """Every trainable parameter as a view into one flat buffer, so AdamW is a single pass over
+    `flat`."""
 
     SIZE = 17226
+    FROZEN_SIZE = 0
     # where each parameter sits in `flat`: checkpoints store the optimizer state as flat buffers
     # and record this, so a state saved under another layout is refused rather than misapplied
     LAYOUT = "fc1(128,64) fc1_bias(128) fc2(64,128) fc2_bias(64) fc3(10,64) fc3_bias(10)"
 
-    def __init__(self, flat):
-        self.flat = flat
+    def __init__(self, flat, frozen=None):
+        self.flat, self.frozen = flat, frozen
         self.fc1 = flat[0:8192].reshape((128, 64))
         self.fc1_bias = flat[8192:8320].reshape((128,))
         self.fc2 = flat[8320:16512].reshape((64, 128))
@@ -49,7 +51,8 @@ class Parameters:
 
 
 def tensor_table(params):
-    """Every tensor under its name in tensor files: (view into `params`, initialisation, fan-in)."""
+    """Every trainable tensor under its name in tensor files: (view into `params`,
+    initialisation, fan-in)."""
     table = {}
     table["fc1.weight"] = (params.fc1, "uniform", 64)
     table["fc1.bias"] = (params.fc1_bias, "uniform", 64)
@@ -62,7 +65,7 @@ def tensor_table(params):
 
 def named_tensors(params):
     """The parameters under their names in tensor files (views, not copies)."""
-    return {name: entry[0] for name, entry in tensor_table(params).items()}
+    return Model.tensors(params)
 
 
 class Activations:

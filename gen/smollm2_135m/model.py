@@ -179,16 +179,17 @@ GRAD_BUCKETS = [
 
 
 class Parameters:
-    """Every parameter as a view into one flat buffer, so AdamW is a single pass over `flat`.
-    Each layer's parameters are contiguous, so a layer's gradients form one bucket."""
+    """Every trainable parameter as a view into one flat buffer, so AdamW is a single pass over
+    `flat`. Each layer's parameters are contiguous, so a layer's gradients form one bucket."""
 
     SIZE = 134515008
+    FROZEN_SIZE = 0
     # where each parameter sits in `flat`: checkpoints store the optimizer state as flat buffers
     # and record this, so a state saved under another layout is refused rather than misapplied
     LAYOUT = "embed(49152,576) layers[30](input_layernorm(576) self_attn_qkv(960,576) self_attn_o(576,576) post_attention_layernorm(576) mlp_gate_up(3072,576) mlp_down(576,1536)) final_norm(576)"
 
-    def __init__(self, flat):
-        self.flat = flat
+    def __init__(self, flat, frozen=None):
+        self.flat, self.frozen = flat, frozen
         self.embed = flat[0:28311552].reshape((49152, 576))
         self.input_layernorm = layer_views(flat, 28311552, 3540096, (576,), N_LAYERS)
         self.self_attn_qkv = layer_views(flat, 28312128, 3540096, (960, 576), N_LAYERS)
@@ -200,7 +201,8 @@ class Parameters:
 
 
 def tensor_table(params):
-    """Every tensor under its name in tensor files: (view into `params`, initialisation, fan-in)."""
+    """Every trainable tensor under its name in tensor files: (view into `params`,
+    initialisation, fan-in)."""
     table = {}
     table["model.embed_tokens.weight"] = (params.embed, "normal", 0)
     for l in range(N_LAYERS):
@@ -243,7 +245,7 @@ def tensor_table(params):
 
 def hf_tensors(params):
     """The parameters under their names in tensor files (views, not copies)."""
-    return {name: entry[0] for name, entry in tensor_table(params).items()}
+    return Model.tensors(params)
 
 
 class Activations:
@@ -500,10 +502,10 @@ class Model(base.DecoderModel):
                 g.block_in,
                 gr.input_layernorm[l],
             )
-            ready(N_LAYERS - l)
+            ready(1 + N_LAYERS - 1 - l)
         # embed (embedding); Lean: embedding_adjoint
         k.embed_backward(s.ids, g.stream_first, gr.embed)
-        ready(N_LAYERS + 1)
+        ready(1 + N_LAYERS)
         return loss
 
     def run_decode(self, c, position):

@@ -58,6 +58,7 @@ class Param:
     init: str  # "normal", "uniform" (U(-1/sqrt(fan_in), 1/sqrt(fan_in))), "ones" or "zeros"
     tensors: tuple[tuple[str, int, int], ...]  # (external name, first row, last row + 1)
     fan_in: int = 0
+    trainable: bool = True  # False: a frozen base weight of a LoRA model, without a gradient
 
 
 @dataclass(frozen=True)
@@ -114,5 +115,7 @@ class Graph:
     def ops(self) -> list[Op]:
         return [*self.head, *self.block, *self.tail]
 
-    def param_count(self) -> int:
-        return sum(math.prod(p.shape) * (self.n_layers if p.per_layer else 1) for p in self.params)
+    def param_count(self, trainable: bool | None = None) -> int:
+        """Parameters in all, or only the trainable (or only the frozen) ones."""
+        return sum(math.prod(p.shape) * (self.n_layers if p.per_layer else 1) for p in self.params
+                   if trainable is None or p.trainable == trainable)

@@ -28,6 +28,8 @@ from pyml.spec.models import DecoderModel, SequentialModel
 # The Lean laws each kernel kind's adjoint implements; recorded in the manifest by statement hash.
 KIND_LAWS = {
     "linear": ("linear_input_adjoint", "linear_weight_adjoint_input", "linear_weight_adjoint_weight"),
+    # a frozen weight has no gradient; its adapters' laws are in each op's instances
+    "frozen_linear": ("linear_input_adjoint", "linear_weight_adjoint_input"),
     "embedding": ("embedding_adjoint",),
     "attention": ("matmul_adjoint_left", "matmul_adjoint_right"),
     "rope": ("rotation_adjoint",),
@@ -74,7 +76,7 @@ def nest(parts: list[str]) -> str:
 class Lowering:
     """Collects storages, values, params, ops and kernel blocks while layers are lowered."""
 
-    def __init__(self, max_seq_len: int = 0):
+    def __init__(self, max_seq_len: int = 0, lora=None):
         self.storages: dict[str, Storage] = {}
         self.values: dict[str, Value] = {}
         self.params: list[Param] = []
@@ -84,6 +86,7 @@ class Lowering:
         self.attention_caches: list[dict] = []
         self.max_seq_len = max_seq_len
         self.scope = "model"
+        self.lora = lora  # a LoRA spec freezes every base parameter and adds adapters
 
     # -- building blocks ------------------------------------------------------------------------
 
@@ -100,12 +103,15 @@ class Lowering:
         self.values[name] = Value(name, storage, shape, view, start, stop)
         return name
 
-    def param(self, attr: str, shape: tuple, init: str, tensors, fan_in: int = 0) -> str:
+    def param(self, attr: str, shape: tuple, init: str, tensors, fan_in: int = 0,
+              trainable: bool | None = None) -> str:
+        if trainable is None:
+            trainable = self.lora is None
         if any(existing.attr == attr for existing in self.params):
             raise PymlError(f"two parameters of the generated model would be named '{attr}'; "
                             "rename one of the layers")
         self.params.append(Param(attr, tuple(shape), self.scope == "block", init, tuple(tensors),
-                                 fan_in))
+                                 fan_in, trainable))
         return attr
 
     def kernel(self, kind: str, context: dict) -> None:
@@ -117,10 +123,11 @@ class Lowering:
     # -- layer kinds ----------------------------------------------------------------------------
 
     def linear(self, name: str, x: str, fan_out: int, bias: bool, tensors, out: str | None = None,
-               init: str = "normal") -> tuple[Op, str]:
-        """y = x Wᵀ (+ b) over rows; `tensors` names the weight's row blocks in tensor files.
-        Decoders initialise weights N(0, 0.02) and biases 0 (`init` "normal"), sequential models
-        both as torch.nn.Linear does ("uniform")."""
+               init: str = "normal", targets: tuple[str, ...] = ()) -> tuple[Op, str]:
+        """y = x Wᵀ (+ b) over rows; `tensors` names the weight's row blocks in tensor files and
+        `targets` their LoRA target names. Decoders initialise weights N(0, 0.02) and biases 0
+        (`init` "normal"), sequential models both as torch.nn.Linear does ("uniform"). In a LoRA
+        model the weight is frozen and each targeted row block gets an adapter."""
         fan_in = self.features(x)
         y = out or self.storage(f"{name}_out", ("N", fan_out))
         params = {"weight": self.param(name, (fan_out, fan_in), init,
@@ -129,10 +136,38 @@ class Lowering:
             params["bias"] = self.param(f"{name}_bias", (fan_out,),
                                         "uniform" if init == "uniform" else "zeros",
                                         [(f"{t}.bias", a, b) for t, a, b in tensors], fan_in)
-        self.kernel("linear", {"p": name, "in_features": fan_in, "out_features": fan_out,
-                               "bias": bias})
-        return Op("linear", name, (x,), (y,), params,
-                  instances=linear_instances(name, fan_in, fan_out, bias)), y
+        instances = linear_instances(name, fan_in, fan_out, bias)
+        if self.lora is None:
+            self.kernel("linear", {"p": name, "in_features": fan_in, "out_features": fan_out,
+                                   "bias": bias})
+            return Op("linear", name, (x,), (y,), params, instances=instances), y
+        adapters, aux = [], {}
+        for (tensor, first, last), target in zip(tensors, targets):
+            if target not in self.lora.targets:
+                continue
+            rank, part = self.lora.rank, f"{name}_{target}_lora"
+            # PEFT's initialisation: A as nn.Linear's weight (kaiming uniform, a = sqrt(5)), B zero
+            params[f"{target}_lora_a"] = self.param(
+                f"{part}_a", (rank, fan_in), "uniform", [(f"{tensor}.lora_A.weight", 0, rank)],
+                fan_in, trainable=True)
+            params[f"{target}_lora_b"] = self.param(
+                f"{part}_b", (last - first, rank), "zeros", [(f"{tensor}.lora_B.weight", 0, last - first)],
+                rank, trainable=True)
+            aux[f"{target}_lora_h"] = self.storage(f"{part}_h", ("N", rank))
+            adapters.append((first, last))
+            instances += (
+                *linear_instances(f"{part}_a", fan_in, rank, False),
+                *linear_instances(f"{part}_b", rank, last - first, False),
+                Instance(f"{part}", "compose_adjoint", {"m": last - first, "k": rank, "n": fan_in},
+                         f"{part}: B A, two linear maps composed"),
+                Instance(f"{part}", "smul_adjoint", {"n": last - first},
+                         f"{part}: scaled by alpha / rank = {self.lora.scale!r}"),
+            )
+        self.kernel("frozen_linear", {"p": name, "in_features": fan_in, "out_features": fan_out,
+                                      "bias": bias, "adapters": tuple(adapters), "rank": self.lora.rank,
+                                      "scale": self.lora.scale})
+        return Op("frozen_linear", name, (x,), (y,), params, aux, {"adapters": adapters},
+                  instances=instances), y
 
     def rmsnorm(self, name: str, norm: RMSNorm, x: str, tensor: str) -> tuple[Op, str]:
         rows = self.values[x].shape[:-1]
@@ -168,7 +203,8 @@ class Lowering:
         rows = self.view(f"{name}_qkv_rows", qkv, ("N", heads * HD), "rows")
         q_rows = [(f"{prefix}.q_proj", 0, H * HD), (f"{prefix}.k_proj", H * HD, (H + KV) * HD),
                   (f"{prefix}.v_proj", (H + KV) * HD, heads * HD)]
-        op, _ = self.linear(f"{name}_qkv", x, heads * HD, attention.qkv_bias, q_rows, out=rows)
+        op, _ = self.linear(f"{name}_qkv", x, heads * HD, attention.qkv_bias, q_rows, out=rows,
+                            targets=("q", "k", "v"))
         ops.append(op)
         q = self.view(f"{name}_q", qkv, ("B", "T", H, HD), "heads", 0, H)
         k = self.view(f"{name}_k", qkv, ("B", "T", KV, HD), "heads", H, H + KV)
@@ -232,7 +268,7 @@ class Lowering:
         self.attention_caches.append({"k": k, "v": v, "window": f"{name.upper()}_WINDOW",
                                       "n_kv_heads": KV, "head_dim": HD})
         op, out = self.linear(f"{name}_o", y_rows, dim, attention.out_bias,
-                              [(f"{prefix}.o_proj", 0, dim)])
+                              [(f"{prefix}.o_proj", 0, dim)], targets=("o",))
         ops.append(op)
         return ops, out
 
@@ -240,7 +276,8 @@ class Lowering:
         dim, hidden = self.features(x), mlp.hidden
         op_gate_up, gate_up = self.linear(
             f"{name}_gate_up", x, 2 * hidden, mlp.bias,
-            [(f"{prefix}.gate_proj", 0, hidden), (f"{prefix}.up_proj", hidden, 2 * hidden)])
+            [(f"{prefix}.gate_proj", 0, hidden), (f"{prefix}.up_proj", hidden, 2 * hidden)],
+            targets=("gate", "up"))
         h = self.storage(f"{name}_hidden", ("N", hidden))
         self.kernel(mlp.activation, {"p": f"{name}_glu", "dim": dim, "hidden": hidden})
         activation = "silu" if mlp.activation == "swiglu" else "tanh-approximated GELU"
@@ -248,7 +285,7 @@ class Lowering:
                  instances=(gain_instance(f"{name}_glu", hidden,
                                           f"{activation}(gate) ⊙ up: the gate acts on up as a gain"),))
         op_down, out = self.linear(f"{name}_down", h, dim, mlp.bias,
-                                   [(f"{prefix}.down_proj", 0, dim)])
+                                   [(f"{prefix}.down_proj", 0, dim)], targets=("down",))
         return [op_gate_up, glu, op_down], out
 
     # -- compositions ---------------------------------------------------------------------------
@@ -355,7 +392,7 @@ def lower_sequential(spec: SequentialModel) -> Graph:
 
 def lower_decoder(spec: DecoderModel) -> Graph:
     n_layers, dim, vocab = spec.block.count, spec.embedding.dim, spec.embedding.vocab_size
-    lowering = Lowering(spec.max_seq_len)
+    lowering = Lowering(spec.max_seq_len, spec.lora)
     ids = lowering.storage("ids", ("N",), dtype="int64")
     # the residual stream: the embedding writes the first block's input, block l reads stream[l]
     # and writes stream[l + 1], the final norm reads the last
@@ -391,9 +428,13 @@ def lower_decoder(spec: DecoderModel) -> Graph:
     else:
         # the tied head multiplies by the embedding matrix: a linear op on that parameter
         logits = lowering.storage("logits", ("N", vocab))
-        lowering.kernel("linear", {"p": "lm_head", "in_features": dim, "out_features": vocab,
-                                   "bias": False})
-        head_op = Op("linear", "lm_head", (xf,), (logits,), {"weight": embed},
+        kind = "linear" if spec.lora is None else "frozen_linear"
+        context = {"p": "lm_head", "in_features": dim, "out_features": vocab, "bias": False}
+        if spec.lora is not None:
+            context |= {"adapters": (), "rank": spec.lora.rank, "scale": spec.lora.scale}
+        lowering.kernel(kind, context)
+        head_op = Op(kind, "lm_head", (xf,), (logits,), {"weight": embed},
+                     attrs={"adapters": []} if spec.lora else {},
                      instances=linear_instances("lm_head", dim, vocab, False))
     tail = [norm_op, head_op, lowering.loss(logits, vocab)]
 

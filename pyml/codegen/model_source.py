@@ -38,11 +38,12 @@ class ParameterLayout:
     """Offsets in the flat buffer: the model's parameters before the block, then each layer's
     parameters contiguously, then the model's parameters after the block."""
 
-    def __init__(self, params: list[Param], n_layers: int):
+    def __init__(self, params: list[Param], n_layers: int, buffer: str = "flat"):
         first = next((i for i, p in enumerate(params) if p.per_layer), len(params))
         self.before = params[:first]
         self.block = [p for p in params if p.per_layer]
         self.after = [p for p in params[first:] if not p.per_layer]
+        self.buffer = buffer
         self.n_layers = n_layers
         self.start: dict[str, int] = {}
         offset = 0
@@ -63,11 +64,11 @@ class ParameterLayout:
         for param in [*self.before, *self.block, *self.after]:
             start, shape = self.start[param.attr], shape_text(param.shape)
             if param.per_layer:
-                lines.append(f"self.{param.attr} = layer_views(flat, {start}, {self.layer_stride}, "
-                             f"{shape}, N_LAYERS)")
+                lines.append(f"self.{param.attr} = layer_views({self.buffer}, {start}, "
+                             f"{self.layer_stride}, {shape}, N_LAYERS)")
             else:
                 stop = start + math.prod(param.shape)
-                lines.append(f"self.{param.attr} = flat[{start}:{stop}].reshape({shape})")
+                lines.append(f"self.{param.attr} = {self.buffer}[{start}:{stop}].reshape({shape})")
         return lines
 
     def description(self) -> str:
@@ -86,13 +87,18 @@ class ParameterLayout:
         sequential model, each op's parameters from the last op."""
         if graph.form == "sequential":
             sizes = {p.attr: math.prod(p.shape) for p in self.before}
-            return [(min(self.start[a] for a in op.params.values()),
-                     max(self.start[a] + sizes[a] for a in op.params.values()))
-                    for op in reversed(graph.head) if op.params]
+            buckets = []
+            for op in reversed(graph.head):
+                attrs = [a for a in op.params.values() if a in sizes]
+                if attrs:
+                    buckets.append((min(self.start[a] for a in attrs),
+                                    max(self.start[a] + sizes[a] for a in attrs)))
+            return buckets
         buckets = [(self.after_start, self.size)] if self.after else []
-        buckets += [(self.layer_start + l * self.layer_stride,
-                     self.layer_start + (l + 1) * self.layer_stride)
-                    for l in reversed(range(self.n_layers))]
+        if self.block:
+            buckets += [(self.layer_start + l * self.layer_stride,
+                         self.layer_start + (l + 1) * self.layer_stride)
+                        for l in reversed(range(self.n_layers))]
         if self.before:
             buckets.append((0, self.layer_start))
         return buckets
@@ -157,7 +163,7 @@ def gradient_lines(graph: Graph, layout: Layout, statements: Statements) -> list
                                for v in used if v in graph.values):
             lines.append(f"self.{name} = zeros({shape_text(graph.storages[name].shape)})")
     for name in sorted(used):
-        if name.startswith("scratch_") or name in homes or name == "stream":
+        if name.startswith(("scratch_", "frozen_")) or name in homes or name == "stream":
             continue
         value = graph.values[name]
         home = layout.grad_home[value.storage]
@@ -168,6 +174,10 @@ def gradient_lines(graph: Graph, layout: Layout, statements: Statements) -> list
     for name in statements.scratch:
         lines.append(f"self.scratch_{name} = zeros({shape_text(graph.values[name].shape)})"
                      "  # where an adjoint writes before its result is added")
+    for param in graph.params:
+        if f"frozen_{param.attr}" in used:
+            lines.append(f"self.frozen_{param.attr} = zeros({shape_text(param.shape)})"
+                         "  # a frozen gain's gradient, computed by its kernel and never used")
     return lines
 
 
@@ -197,7 +207,8 @@ def logits_alias(graph: Graph) -> list[str]:
 
 
 def model_context(spec, spec_path: str, graph: Graph, layout: Layout, statements: Statements) -> dict:
-    params = ParameterLayout(graph.params, graph.n_layers)
+    params = ParameterLayout([p for p in graph.params if p.trainable], graph.n_layers)
+    frozen = ParameterLayout([p for p in graph.params if not p.trainable], graph.n_layers, "frozen")
     decoder = isinstance(spec, DecoderModel)
     constants = dict(graph.constants)
     if decoder:
@@ -226,6 +237,8 @@ def model_context(spec, spec_path: str, graph: Graph, layout: Layout, statements
         "laws": relied_on_laws(graph), "buckets": repr(buckets),
         "per_layer": bool(params.block), "param_size": params.size, "layout": params.description(),
         "param_views": params.view_lines(), "tensor_lines": tensor_lines(params),
+        "frozen_size": frozen.size, "frozen_views": frozen.view_lines(),
+        "frozen_tensor_lines": tensor_lines(frozen),
         "tensors_function": "hf_tensors" if decoder else "named_tensors",
         "activation_lines": activation_lines(graph, layout),
         "gradient_lines": gradient_lines(graph, layout, statements),

@@ -73,7 +73,7 @@ def render_kernel_module(target: str, blocks: list[tuple[str, dict]]) -> str:
     """Source of one kernel module: the header, then one rendered block per (kind, context), or
     bindings to an earlier block of the same kind and dims."""
     header = HEADERS[target]
-    if target == "cuda" and any(kind == "linear" for kind, _ in blocks):
+    if target == "cuda" and any(kind in ("linear", "frozen_linear") for kind, _ in blocks):
         blocks = [("matmul", {}), *blocks]  # one tiled matmul serves every linear layer
     parts, first_prefixes = [header], {}
     for kind, context in blocks:

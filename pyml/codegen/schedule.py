@@ -27,6 +27,8 @@ BACKWARD_READS = {
     "rope": (), "attention": ("inputs", "aux"), "swiglu": ("inputs",), "geglu": ("inputs",),
     "relu": ("inputs",), "gelu": ("inputs",), "silu": ("inputs",), "residual": (),
     "embedding": ("inputs",), "loss": (),
+    # a frozen linear map's adjoint reads its input only for its adapters' gradients
+    "frozen_linear": ("inputs", "aux"),
 }
 # Kinds whose adjoint can add its input gradient into a buffer (`{prefix}_backward_add`).
 ADDS_INPUT_GRADIENT = {"rmsnorm"}
@@ -110,12 +112,18 @@ class Backward:
 
 
 def plan_layout(graph: Graph) -> Layout:
-    """Saved storages, and each gradient's buffer: a residual join gives its gradient buffer to
-    each input whose gradient nothing after the join has written yet (walking in reverse, so a
-    chain of joins shares one buffer)."""
+    """Saved storages, and each gradient's buffer. A residual join `out = x + body(x)` passes its
+    output gradient to both inputs: the body's output takes the join's gradient buffer (it reads it
+    once, at its producer), and so does the skip input x, whose gradient then accumulates there,
+    where nothing after the join has written x's gradient yet. Walking in reverse, a chain of
+    joins (the residual stream) shares one buffer. When the body ends in another join, its output
+    gets a copy in a buffer of its own instead: that inner join hands its buffer on to its own
+    skip, whose gradient accumulates there while x's is still accumulating in the outer one."""
     saved: set[str] = set()
     for op in graph.ops():
         reads = BACKWARD_READS[op.kind]
+        if op.kind == "frozen_linear" and not op.attrs["adapters"]:
+            reads = ()
         if "inputs" in reads:
             saved |= {graph.values[v].storage for v in op.inputs}
         if "aux" in reads:
@@ -123,13 +131,18 @@ def plan_layout(graph: Graph) -> Layout:
     grad_home = {name: "stream" if storage.scope == "stream" else name
                  for name, storage in graph.storages.items() if storage.dtype == "float"}
     grad_home[graph.values[graph.logits].storage] = "in_place"
+    producers = {value: op for op in graph.ops() for value in op.outputs}
     for ops in (graph.tail, graph.block, graph.head):
         touched: set[str] = set()
         for op in reversed(ops):
             inputs = [graph.values[v] for v in op.inputs if graph.values[v].storage in grad_home]
             if op.kind == "residual":
                 home = grad_home[graph.values[op.outputs[0]].storage]
+                skip, body_out = op.inputs
+                nested = producers[body_out].kind == "residual"
                 for value in inputs:
+                    if value.name == body_out and nested:
+                        continue
                     if (value.view == "" and value.storage not in touched
                             and grad_home[value.storage] != "stream"):
                         grad_home[value.storage] = home
@@ -188,6 +201,8 @@ def forward_lines(graph: Graph, ops: list[Op], value, mode: str) -> list[str]:
             lines.append(call(op.prefix, "forward", x[0], *p, y[0], *aux))
         elif op.kind == "linear":
             lines.append(call(op.prefix, "forward", x[0], *p, y[0]))
+        elif op.kind == "frozen_linear":
+            lines.append(call(op.prefix, "forward", x[0], *p, y[0], *aux))
         elif op.kind == "rope":
             offset = "position" if mode == "decode" else "0"
             lines.append(f"cos, sin = self.rope[{layer_table(op, 'tables')}]")
@@ -215,24 +230,34 @@ def graph_param(graph: Graph, attr: str):
 
 
 def param_expr(graph: Graph, attr: str, root: str = "p") -> str:
-    return f"{root}.{attr}[l]" if graph_param(graph, attr).per_layer else f"{root}.{attr}"
+    """A parameter (root "p") or its gradient (root "gr"); a frozen parameter has no gradient, and
+    a kernel that computes one anyway (a norm's gain) writes it to a scratch buffer `g.frozen_*`."""
+    param = graph_param(graph, attr)
+    if root == "gr" and not param.trainable:
+        return f"g.frozen_{attr}"
+    return f"{root}.{attr}[l]" if param.per_layer else f"{root}.{attr}"
 
 
 def cache_index(graph: Graph, op: Op) -> int:
     return [o for o in graph.block if o.kind == "attention"].index(op)
 
 
+def trainable_params(graph: Graph, op: Op) -> list[str]:
+    return [attr for attr in op.params.values() if graph_param(graph, attr).trainable]
+
+
 def backward_lines(graph: Graph, ops: list[Op], state: Backward, value, scratch,
                    bucket_per_op: bool = False) -> list[str]:
     """The adjoints of `ops` in reverse order, each under a comment naming its Lean laws; with
-    `bucket_per_op`, `ready(i)` after each op that finished its parameters' gradients."""
+    `bucket_per_op` (a sequential model), `ready(i)` after each op that finished its trainable
+    parameters' gradients."""
     lines: list[str] = []
     bucket = 0
     for op in reversed(ops):
         laws = sorted({instance.law for instance in op.instances})
         lines.append(f"# {op.prefix} ({op.kind})" + (f"; Lean: {', '.join(laws)}" if laws else ""))
         lines += adjoint(graph, op, state, value, scratch)
-        if bucket_per_op and op.params:
+        if bucket_per_op and trainable_params(graph, op):
             lines.append(f"ready({bucket})")
             bucket += 1
     return lines
@@ -248,11 +273,13 @@ def adjoint(graph: Graph, op: Op, state: Backward, value, scratch: list) -> list
     aux = [value(a) for a in op.aux.values()]
     dy = g(op.outputs[0]) if op.outputs else ""
 
-    def param_grads() -> list[str]:
-        for attr in op.params.values():
-            if state.param_mode(attr) == "add":
+    def param_grads(trainable_only: bool = False) -> list[str]:
+        attrs = [attr for attr in op.params.values()
+                 if graph_param(graph, attr).trainable or not trainable_only]
+        for attr in attrs:
+            if graph_param(graph, attr).trainable and state.param_mode(attr) == "add":
                 raise AssertionError(f"{op.prefix}: a second gradient into {attr}")
-        return [param_expr(graph, attr, "gr") for attr in op.params.values()]
+        return [param_expr(graph, attr, "gr") for attr in attrs]
 
     def input_gradient(index: int, can_add: bool) -> tuple[str, list[str], str]:
         """(the buffer the kernel writes, the statements after it, the kernel's suffix)."""
@@ -285,6 +312,8 @@ def adjoint(graph: Graph, op: Op, state: Backward, value, scratch: list) -> list
                 call(op.prefix, "backward", dy, "cos", "sin")]
     if op.kind == "embedding":
         attr = op.params["weight"]
+        if not graph_param(graph, attr).trainable:
+            return []  # a frozen embedding: its gradient is nobody's
         first = state.param_mode(attr) == "write"
         grad = param_expr(graph, attr, "gr")
         return ([f"dev.zero({grad})"] if first else []) + [call(op.prefix, "backward", x[0], dy, grad)]
@@ -294,13 +323,25 @@ def adjoint(graph: Graph, op: Op, state: Backward, value, scratch: list) -> list
                      layer_table(op, "window")), *dq[1], *dk[1], *dv[1]]
     weight = [param_expr(graph, op.params["weight"])] if "weight" in op.params else []
     dx, after, suffix = input_gradient(0, op.kind in ADDS_INPUT_GRADIENT)
-    if op.kind == "linear":
+    if op.kind == "frozen_linear":
+        params = [param_expr(graph, attr) for attr in op.params.values()]
+        line = call(op.prefix, suffix, x[0], *params, *aux, dy, dx, *param_grads(trainable_only=True))
+    elif op.kind == "linear":
         line = call(op.prefix, suffix, x[0], *weight, dy, dx, *param_grads())
     elif op.kind in ("rmsnorm", "head_rmsnorm"):
         line = call(op.prefix, suffix, x[0], *weight, *aux, dy, dx, *param_grads())
     else:  # element-wise
         line = call(op.prefix, suffix, x[0], dy, dx)
     return [line, *after]
+
+
+def bucket_groups(graph: Graph) -> dict[str, list]:
+    """A decoder's trainable parameters before the block, in it, and after it (creation order)."""
+    trainable = [p for p in graph.params if p.trainable]
+    first = next((i for i, p in enumerate(graph.params) if p.per_layer), len(graph.params))
+    before = [p for p in graph.params[:first] if p.trainable]
+    return {"before": before, "block": [p for p in trainable if p.per_layer],
+            "after": [p for p in graph.params[first:] if p.trainable and not p.per_layer]}
 
 
 def schedule(graph: Graph) -> tuple[Layout, Statements]:
@@ -317,12 +358,17 @@ def schedule(graph: Graph) -> tuple[Layout, Statements]:
     state.written.add(("stream", "first"))
     backward_head = backward_lines(graph, graph.head, state, train, scratch, bucket_per_op=sequential)
     if not sequential:
-        # a decoder's buckets: the parameters after the block (the final norm, an untied head),
-        # each layer from the last, then those before it (the embedding, which a tied head's
-        # gradient also reaches)
-        backward_tail.append("ready(0)")
-        backward_block.append("ready(N_LAYERS - l)")
-        backward_head.append("ready(N_LAYERS + 1)")
+        # a decoder's buckets, as ParameterLayout.buckets lays them out: the trainable parameters
+        # after the block (the final norm, an untied head), each layer's from the last, then those
+        # before it (the embedding, which a tied head's gradient also reaches)
+        groups = bucket_groups(graph)
+        first_layer = 1 if groups["after"] else 0
+        if groups["after"]:
+            backward_tail.append("ready(0)")
+        if groups["block"]:
+            backward_block.append(f"ready({first_layer} + N_LAYERS - 1 - l)")
+        if groups["before"]:
+            backward_head.append(f"ready({first_layer} + {'N_LAYERS' if groups['block'] else 0})")
     return layout, Statements(
         forward_head=forward_lines(graph, graph.head, train, "train"),
         forward_block=forward_lines(graph, graph.block, train, "train"),

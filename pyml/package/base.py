@@ -103,21 +103,32 @@ def no_bucket_hook(bucket):
 
 
 class Model:
-    """The spec-independent part of a generated model. Subclasses set `Parameters` (the flat
-    buffer's views), `TENSOR_TABLE` (each tensor's name in tensor files: its view, initialisation
-    and fan-in), `GRAD_BUCKETS`, `SPEC_NAME` and the kernel modules, and define the passes and
-    their buffers."""
+    """The spec-independent part of a generated model. Subclasses set `Parameters` (the views of
+    the flat buffer of trainable parameters and, for a LoRA model, of the frozen base weights),
+    `TENSOR_TABLE` (each trainable tensor's name in tensor files: its view, initialisation and
+    fan-in) and `FROZEN_TENSOR_TABLE` (the same for the frozen ones), `GRAD_BUCKETS`, `SPEC_NAME`
+    and the kernel modules, and define the passes and their buffers."""
+
+    FROZEN_TENSOR_TABLE = None
 
     def __init__(self, dtype=np.float32, device="cpu"):
         itemsize = np.dtype(dtype).itemsize if np.dtype(dtype) in (np.float32, np.float64) else 4
-        require_memory(
-            2 * self.Parameters.SIZE * itemsize,
-            f"spec '{self.SPEC_NAME}' ({self.Parameters.SIZE:,} parameters and their gradients)",
-        )
+        size, frozen = self.Parameters.SIZE, self.Parameters.FROZEN_SIZE
+        what = f"{size:,} parameters and their gradients" + (
+            f", and {frozen:,} frozen ones" if frozen else "")
+        require_memory((2 * size + frozen) * itemsize, f"spec '{self.SPEC_NAME}' ({what})")
         self.device = Device(device, dtype, self.kernels_cpu, self.kernels_cuda)
-        self.params = self.Parameters(self.device.zeros(self.Parameters.SIZE))
-        self.grads = self.Parameters(self.device.zeros(self.Parameters.SIZE))
+        self.params = self.Parameters(self.device.zeros(size),
+                                      self.device.zeros(frozen) if frozen else None)
+        self.grads = self.Parameters(self.device.zeros(size))
         self.buffers = {}
+
+    @classmethod
+    def host_parameters(cls, dtype=np.float64):
+        """Zeroed host buffers with every parameter's view, frozen ones included."""
+        frozen = cls.Parameters.FROZEN_SIZE
+        return cls.Parameters(np.zeros(cls.Parameters.SIZE, dtype),
+                              np.zeros(frozen, dtype) if frozen else None)
 
     @property
     def grad_buckets(self):
@@ -132,7 +143,10 @@ class Model:
         model = cls(dtype, device)
         rng = np.random.default_rng(seed)
         host = {}
-        table = cls.TENSOR_TABLE(cls.Parameters(np.zeros(cls.Parameters.SIZE)))
+        host_params = cls.host_parameters()
+        table = dict(cls.TENSOR_TABLE(host_params))
+        if cls.FROZEN_TENSOR_TABLE is not None:
+            table |= cls.FROZEN_TENSOR_TABLE(host_params)
         for name, (view, init, fan_in) in table.items():
             if init == "normal":
                 host[name] = rng.normal(0.0, 0.02, view.shape)
@@ -155,21 +169,59 @@ class Model:
         return model
 
     def load_tensors(self, tensors, source):
-        host = self.Parameters(np.zeros(self.Parameters.SIZE, self.device.dtype))
+        """Every parameter, trainable and frozen, from `tensors` ({name: array})."""
+        host = self.host_parameters(self.device.dtype)
         expected = self.tensors(host)
         check_tensors(tensors, expected, source, self.SPEC_NAME)
         for name, view in expected.items():
             view[...] = tensors[name]
         self.device.to_device(host.flat, self.params.flat)
+        if host.frozen is not None:
+            self.device.to_device(host.frozen, self.params.frozen)
 
     def host_tensors(self):
-        """Named host copies of the parameters."""
-        return self.tensors(self.Parameters(self.device.to_host(self.params.flat).copy()))
+        """Named host copies of the parameters, frozen ones included."""
+        frozen = self.params.frozen
+        return self.tensors(self.Parameters(
+            self.device.to_host(self.params.flat).copy(),
+            None if frozen is None else self.device.to_host(frozen).copy()))
 
     @classmethod
     def tensors(cls, params):
-        """The parameters in `params` under their names in tensor files (views)."""
-        return {name: entry[0] for name, entry in cls.TENSOR_TABLE(params).items()}
+        """The parameters in `params` under their names in tensor files (views); the frozen ones
+        too where `params` holds them."""
+        table = cls.TENSOR_TABLE(params)
+        if params.frozen is not None and cls.FROZEN_TENSOR_TABLE is not None:
+            table |= cls.FROZEN_TENSOR_TABLE(params)
+        return {name: entry[0] for name, entry in table.items()}
+
+    @classmethod
+    def from_base(cls, path, seed=0, dtype=np.float32, device="cpu"):
+        """A LoRA model: the frozen base weights from `path` (a model.safetensors file, or a folder
+        holding one, with the base model's tensor names) and the adapters initialised as the
+        `peft` library does (A uniform in +-1/sqrt(fan_in), B zero), seeded."""
+        if cls.FROZEN_TENSOR_TABLE is None:
+            raise PymlError(f"spec '{cls.SPEC_NAME}' has no [lora] table: load it with from_safetensors")
+        path = Path(path)
+        if path.is_dir():
+            path = path / "model.safetensors"
+        model = cls.initialized(seed, dtype, device)
+        model.load_tensors(model.adapter_tensors() | read_safetensors(path), str(path))
+        return model
+
+    def adapter_tensors(self):
+        """Host copies of the trainable tensors (a LoRA model's adapters), by name."""
+        host = self.Parameters(self.device.to_host(self.params.flat).copy())
+        return {name: entry[0] for name, entry in self.TENSOR_TABLE(host).items()}
+
+    def load_adapter_tensors(self, tensors, source):
+        """The trainable tensors (a LoRA model's adapters) from `tensors`; the frozen ones stay."""
+        host = self.Parameters(np.zeros(self.Parameters.SIZE, self.device.dtype))
+        expected = {name: entry[0] for name, entry in self.TENSOR_TABLE(host).items()}
+        check_tensors(tensors, expected, source, self.SPEC_NAME)
+        for name, view in expected.items():
+            view[...] = tensors[name]
+        self.device.to_device(host.flat, self.params.flat)
 
     def to_safetensors(self, path):
         write_safetensors(

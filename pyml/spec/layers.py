@@ -221,6 +221,30 @@ SHORTHAND_LABELS = {"block.attn_residual": ["block.attn_norm", "block.attention"
                     "block.mlp_residual": ["block.mlp_norm", "block.mlp"]}
 
 
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+class LoRA(Strict):
+    """Low-rank adapters on the chosen projections of every block, as the `peft` library's LoRA:
+    a projection W becomes W + (alpha / rank) B A, with A (rank, in) and B (out, rank). The base
+    model's parameters are frozen; the adapters are what trains. The defaults are PEFT's."""
+
+    rank: PositiveInt
+    alpha: PositiveFloat = 8.0
+    targets: list[Literal["q", "k", "v", "o", "gate", "up", "down"]] = Field(
+        default=["q", "v"], min_length=1)
+
+    @model_validator(mode="after")
+    def targets_unique(self) -> LoRA:
+        if len(set(self.targets)) != len(self.targets):
+            raise ValueError(f"lora.targets repeats a projection: {self.targets}")
+        return self
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
 class LMHead(Strict):
     """Projection from the model dim to vocabulary logits; `tied` reuses the embedding matrix."""
 

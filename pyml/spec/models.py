@@ -23,6 +23,7 @@ from pyml.spec.layers import (
     Identifier,
     Linear,
     LMHead,
+    LoRA,
     Residual,
     RMSNorm,
     SequentialLayer,
@@ -128,8 +129,27 @@ class DecoderModel(Strict):
     final_norm: RMSNorm
     lm_head: LMHead
     loss: SoftmaxCrossEntropy = SoftmaxCrossEntropy()
+    lora: LoRA | None = None
 
     batch: ClassVar[tuple[str, ...]] = ("B", "T")
+
+    @model_validator(mode="after")
+    def lora_rank_fits(self) -> DecoderModel:
+        """A rank above a projection's smaller dim adds parameters and no expressiveness."""
+        if self.lora is None:
+            return self
+        found = [target for item in _items(self.block_items())
+                 for target, _, _ in projections(item.layer)]
+        if not set(found) & set(self.lora.targets):
+            raise ValueError(f"lora.targets {self.lora.targets} name no projection of the block "
+                             f"(it has {sorted(set(found)) or 'none'}): nothing would train")
+        for item in _items(self.block_items()):
+            for target, fan_in, fan_out in projections(item.layer):
+                if target in self.lora.targets and self.lora.rank > min(fan_in, fan_out):
+                    raise ValueError(
+                        f"lora.rank {self.lora.rank} exceeds {item.label}'s {target} projection "
+                        f"({fan_in} -> {fan_out}); choose a rank of at most {min(fan_in, fan_out)}")
+        return self
 
     @model_validator(mode="after")
     def block_names_unique(self) -> DecoderModel:
@@ -206,6 +226,24 @@ class DecoderModel(Strict):
                 Shape((str(head.vocab_size),), head.dim),
             ))
         return mismatches
+
+
+def _items(items):
+    for item in items:
+        yield item
+        yield from _items(item.body)
+
+
+def projections(layer) -> list[tuple[str, int, int]]:
+    """(LoRA target, fan in, fan out) of each projection a block layer holds."""
+    if isinstance(layer, Attention):
+        q_dim, kv_dim = layer.n_heads * layer.head_dim, layer.n_kv_heads * layer.head_dim
+        return [("q", layer.dim, q_dim), ("k", layer.dim, kv_dim), ("v", layer.dim, kv_dim),
+                ("o", q_dim, layer.dim)]
+    if isinstance(layer, MLP):
+        return [("gate", layer.dim, layer.hidden), ("up", layer.dim, layer.hidden),
+                ("down", layer.hidden, layer.dim)]
+    return []
 
 
 ModelSpec = Annotated[Union[SequentialModel, DecoderModel], Field(discriminator="form")]
