@@ -206,6 +206,13 @@ bench_app = typer.Typer(help="Benchmarks against PyTorch and transformers (resul
 app.add_typer(bench_app, name="bench")
 
 
+class BenchModel(str, Enum):
+    """The shipped models the benchmarks run (bench/train_step.py's MODELS)."""
+
+    smollm2 = "smollm2"
+    gemma3 = "gemma3"
+
+
 def run_benchmark(script: str, arguments: list[str]) -> None:
     path = ROOT / "bench" / script
     if not path.exists():
@@ -223,10 +230,11 @@ def bench_train(
     rounds: Annotated[int, typer.Option(help="Rounds; systems alternate within each.")] = 3,
     steps: Annotated[int, typer.Option(help="Timed steps per system per round.")] = 10,
     compile: Annotated[bool, typer.Option(help="Also time torch.compile (about 75 s to compile).")] = False,
+    model: Annotated[BenchModel, typer.Option(help="The shipped model to train.")] = BenchModel.smollm2,
 ) -> None:
-    """SmolLM2-135M training step (2x128 tokens, AdamW): this project's package vs PyTorch."""
-    run_benchmark("train_step.py", ["--rounds", str(rounds), "--steps", str(steps)]
-                  + (["--compile"] if compile else []))
+    """A real model's training step (2x128 tokens, AdamW): this project's package vs PyTorch."""
+    run_benchmark("train_step.py", ["--model", model.value, "--rounds", str(rounds), "--steps",
+                                    str(steps)] + (["--compile"] if compile else []))
 
 
 @bench_app.command("scaling")
@@ -245,9 +253,11 @@ def bench_scaling(
 def bench_generate(
     new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 64,
     repeats: Annotated[int, typer.Option(help="Timed runs per system.")] = 3,
+    model: Annotated[BenchModel, typer.Option(help="The shipped model to run.")] = BenchModel.smollm2,
 ) -> None:
     """Prefill and decode tokens/s of `pyml generate` vs transformers' generate, greedy."""
-    run_benchmark("generate.py", ["--new-tokens", str(new_tokens), "--repeats", str(repeats)])
+    run_benchmark("generate.py", ["--model", model.value, "--new-tokens", str(new_tokens),
+                                  "--repeats", str(repeats)])
 
 
 def main() -> None:
