@@ -1,13 +1,18 @@
 """Generation speed: `pyml generate`'s path against Hugging Face transformers' `generate`.
 
-Same weights (the shipped SmolLM2-135M-Instruct GGUF; transformers loads it itself), the same chat
-prompt, greedy decoding with a KV cache on both sides, and the same new tokens (checked). Prefill
+Same weights (the shipped GGUF of `--model`, SmolLM2-135M-Instruct by default or Gemma 3 270M;
+transformers loads SmolLM2's GGUF itself, and Gemma's from the imported folder, which holds the
+weights its GGUF loader gives bit for bit in a fraction of the minutes that loader takes), the same
+prompt (in the chat template where the model has one; Gemma 3 270M is a base model), greedy
+decoding with a KV cache on both sides, and the same new tokens (checked). Prefill
 tokens/s is the prompt length over the time to the first logits; decode tokens/s counts the tokens
 after the first. Each system runs in a process of its own (PyTorch's OpenMP threads, spinning
 after each of its calls, would otherwise starve pyml's kernels), once to warm up, then `--repeats`
 times; medians are reported.
 
-    python bench/generate.py [--new-tokens 64] [--repeats 3]
+    python bench/generate.py [--model smollm2|gemma3] [--new-tokens 64] [--repeats 3]
+
+Results go to bench/results/generate.{json,md} (generate_gemma3.* for Gemma).
 """
 
 from __future__ import annotations
@@ -63,28 +68,33 @@ def transformers_run(model, ids, new_tokens):
     return out, prefill, max(total - prefill, 1e-9)
 
 
-def run_system(system: str, new_tokens: int, repeats: int) -> dict:
+def run_system(system: str, model_name: str, new_tokens: int, repeats: int) -> dict:
     """Timings and tokens of one system, in this process."""
-    from train_step import ensure_model  # run as a script, bench/ is on sys.path
+    from train_step import MODELS, ensure_model  # run as a script, bench/ is on sys.path
 
     from pyml.runtime import generate as generation
 
-    model_dir = ensure_model()
+    bench_model = MODELS[model_name]
+    model_dir = ensure_model(bench_model)
     tokenizer = generation.load_tokenizer(model_dir)
-    ids = generation.prompt_ids(model_dir, tokenizer, PROMPT, chat=True)
+    chat = model_name == "smollm2"  # Gemma 3 270M has no chat template
+    ids = generation.prompt_ids(model_dir, tokenizer, PROMPT, chat=chat)
     if system == "ours":
-        model = generation.load_model(model_dir, ROOT / "specs" / "smollm2_135m.toml")
+        model = generation.load_model(model_dir, ROOT / "specs" / f"{bench_model.spec}.toml")
         stop = generation.eos_ids(model_dir)
         run = lambda: ours_run(model, ids, new_tokens, stop)  # noqa: E731
     else:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from pyml.runtime.smollm2_gguf import shipped_gguf_path
+        if model_name == "smollm2":
+            from pyml.runtime.smollm2_gguf import shipped_gguf_path
 
-        gguf = shipped_gguf_path()
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                     dtype=torch.float32).eval()
+            gguf = shipped_gguf_path()
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                         dtype=torch.float32).eval()
+        else:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         run = lambda: transformers_run(model, ids, new_tokens)  # noqa: E731
     runs = []
     for repeat in range(repeats + 1):  # the first run warms up
@@ -98,12 +108,13 @@ def run_system(system: str, new_tokens: int, repeats: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=["smollm2", "gemma3"], default="smollm2")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--system", choices=["ours", "transformers"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.system:
-        print(json.dumps(run_system(args.system, args.new_tokens, args.repeats)))
+        print(json.dumps(run_system(args.system, args.model, args.new_tokens, args.repeats)))
         return
 
     from pyml import THREAD_POOL_ENVIRONMENT
@@ -112,8 +123,8 @@ def main() -> None:
                     "transformers": START_ENVIRONMENT}
     results = {}
     for system in ("ours", "transformers"):
-        child = subprocess.run([sys.executable, __file__, "--system", system, "--new-tokens",
-                                str(args.new_tokens), "--repeats", str(args.repeats)],
+        child = subprocess.run([sys.executable, __file__, "--system", system, "--model", args.model,
+                                "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)],
                                env=environments[system], capture_output=True, text=True)
         if child.returncode != 0:
             last_line = (child.stderr.strip().splitlines() or ["no output"])[-1]
@@ -122,7 +133,8 @@ def main() -> None:
     ours, theirs = results["ours"]["tokens"], results["transformers"]["tokens"]
     same = ours == theirs[: len(ours)]
     report = {
-        "date": date.today().isoformat(), "prompt_tokens": results["ours"]["prompt_tokens"],
+        "model": args.model, "date": date.today().isoformat(),
+        "prompt_tokens": results["ours"]["prompt_tokens"],
         "new_tokens": len(ours), "outputs_identical": same,
         "systems": {name: {key: result[key] for key in ("prefill_tokens_per_s", "decode_tokens_per_s")}
                     for name, result in results.items()},
@@ -130,7 +142,8 @@ def main() -> None:
                                         if name in environment}
                                for system, environment in environments.items()},
     }
-    lines = [f"SmolLM2-135M-Instruct generation, greedy with a KV cache, {report['date']}: "
+    title = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "Gemma 3 270M"}[args.model]
+    lines = [f"{title} generation, greedy with a KV cache, {report['date']}: "
              f"{report['prompt_tokens']} prompt tokens, {report['new_tokens']} new tokens, "
              f"outputs identical: {same}.",
              "", "| system | prefill tokens/s | decode tokens/s |", "| --- | --- | --- |"]
@@ -138,8 +151,9 @@ def main() -> None:
         lines.append(f"| {name} | {result['prefill_tokens_per_s']:.1f} | {result['decode_tokens_per_s']:.1f} |")
     lines += ["", f"Thread-pool environment per system: {report['thread_environment']}."]
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "generate.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / "generate.md").write_text("\n".join(lines) + "\n")
+    stem = "generate" if args.model == "smollm2" else f"generate_{args.model}"
+    (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     if not same:
         # a speed figure is only worth something if both systems produced the same text

@@ -1,6 +1,7 @@
-"""SmolLM2-135M training step: the generated package against PyTorch eager (and torch.compile).
+"""A real model's training step: the generated package against PyTorch eager (and torch.compile).
 
-Protocol: the real SmolLM2-135M-Instruct weights (imported from the shipped GGUF), batches of
+Protocol: the real weights of `--model` (SmolLM2-135M-Instruct by default, or Gemma 3 270M;
+imported from the shipped GGUF), batches of
 2 x 128 tokens of the default corpus (CPython's reference documentation), AdamW. Every system starts
 from the same weights and sees the same batches. Each system lives in a worker process of its own,
 started with the environment this script was started with (pyml's thread-pool settings apply only
@@ -13,7 +14,9 @@ every step (systems must agree within 1e-3 relative), each worker's peak residen
 GEMM floor (the step's matrix-product FLOPs at the float32 GEMM rate numpy reaches on this machine,
 in this run).
 
-    python bench/train_step.py [--rounds 3] [--steps 10] [--compile]
+    python bench/train_step.py [--model smollm2|gemma3] [--rounds 3] [--steps 10] [--compile]
+
+Results go to bench/results/train_step.{json,md} (train_step_gemma3.* for Gemma).
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ import os
 START_ENVIRONMENT = dict(os.environ)
 
 import argparse  # noqa: E402
+import importlib  # noqa: E402
 import json  # noqa: E402
 import multiprocessing  # noqa: E402
 import platform  # noqa: E402
 import resource  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 from datetime import date  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -38,28 +43,53 @@ import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-MODEL_DIR = ROOT / "models" / "smollm2-135m-instruct"
 B, T = 2, 128
-LR, WEIGHT_DECAY, BETAS, EPS = 3e-4, 0.1, (0.9, 0.95), 1e-8
+WEIGHT_DECAY, BETAS, EPS = 0.1, (0.9, 0.95), 1e-8
 LOSS_AGREEMENT = 1e-3  # largest relative difference of any step's loss to PyTorch eager's
 
 
-def ensure_model() -> Path:
-    if not (MODEL_DIR / "model.safetensors").exists():
+@dataclass(frozen=True)
+class BenchModel:
+    """A shipped model: its name in tables, its folder under models/, its spec (specs/<spec>.toml,
+    run by gen.<spec>), the module that finds its GGUF, and the learning rate of the steps."""
+
+    title: str
+    folder: str
+    spec: str
+    shipped: str
+    lr: float
+
+    @property
+    def dir(self) -> Path:
+        return ROOT / "models" / self.folder
+
+
+MODELS = {
+    "smollm2": BenchModel("SmolLM2-135M", "smollm2-135m-instruct", "smollm2_135m",
+                          "pyml.runtime.smollm2_gguf", lr=3e-4),
+    # 3e-4 wrecks Gemma in one step (loss 3.8 -> 20.9), after which float32 runs part ways; its
+    # fine-tuning rate keeps the systems' losses comparable
+    "gemma3": BenchModel("Gemma 3 270M", "gemma3-270m", "gemma3_270m", "pyml.runtime.gemma3_gguf",
+                         lr=1e-5),
+}
+
+
+def ensure_model(model: BenchModel = MODELS["smollm2"]) -> Path:
+    if not (model.dir / "model.safetensors").exists():
         from pyml.runtime.gguf_import import import_gguf
-        from pyml.runtime.smollm2_gguf import shipped_gguf_path
 
-        import_gguf(shipped_gguf_path(), MODEL_DIR, progress=False)
-    return MODEL_DIR
+        shipped = importlib.import_module(model.shipped)
+        import_gguf(shipped.shipped_gguf_path(), model.dir, progress=False, name=shipped.SPEC_NAME)
+    return model.dir
 
 
-def corpus_batches(n_batches: int) -> list[tuple[np.ndarray, np.ndarray]]:
+def corpus_batches(n_batches: int, model: BenchModel = MODELS["smollm2"]) -> list[tuple[np.ndarray, np.ndarray]]:
     """Consecutive (inputs, targets) batches of B x T tokens from the default corpus."""
     from tokenizers import Tokenizer
 
     from pyml.runtime.data import load_corpus
 
-    tokenizer = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(model.dir / "tokenizer.json"))
     text = "\n\n".join(document.text for document in load_corpus(None))
     ids = np.array(tokenizer.encode(text).ids[: n_batches * B * (T + 1)], dtype=np.int64)
     windows = ids.reshape(n_batches, B, T + 1)
@@ -69,12 +99,11 @@ def corpus_batches(n_batches: int) -> list[tuple[np.ndarray, np.ndarray]]:
 class Ours:
     name = "pyml (generated, Numba CPU)"
 
-    def __init__(self):
-        import gen.smollm2_135m as package
-
+    def __init__(self, model: BenchModel):
+        package = importlib.import_module(f"gen.{model.spec}")
         self.package = package
-        self.model = package.Model.from_safetensors(MODEL_DIR)
-        self.optimizer = package.AdamW(self.model, lr=LR, betas=BETAS, eps=EPS,
+        self.model = package.Model.from_safetensors(model.dir)
+        self.optimizer = package.AdamW(self.model, lr=model.lr, betas=BETAS, eps=EPS,
                                        weight_decay=WEIGHT_DECAY)
 
     def step(self, inputs, targets) -> float:
@@ -84,16 +113,16 @@ class Ours:
 class Torch:
     name = "PyTorch eager"
 
-    def __init__(self, compiled: bool = False):
+    def __init__(self, model: BenchModel, compiled: bool = False):
         import torch
         from transformers import AutoModelForCausalLM
 
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32)
+        self.model = AutoModelForCausalLM.from_pretrained(model.dir, dtype=torch.float32)
         self.model.config._attn_implementation = "sdpa"
         self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR, betas=BETAS, eps=EPS,
-                                           weight_decay=WEIGHT_DECAY)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=model.lr, betas=BETAS,
+                                           eps=EPS, weight_decay=WEIGHT_DECAY)
         self.forward = torch.compile(self.model) if compiled else self.model
         if compiled:
             self.name = "torch.compile"
@@ -109,28 +138,42 @@ class Torch:
         return loss.item()
 
 
-SYSTEMS = {"ours": Ours, "torch": Torch, "compile": lambda: Torch(compiled=True)}
+SYSTEMS = {"ours": Ours, "torch": Torch, "compile": lambda model: Torch(model, compiled=True)}
 
 
-def matmul_flops() -> float:
-    """FLOPs of the step's matrix products: forward, and twice that backward (dX and dW)."""
+def model_spec(model: BenchModel):
     from pyml.spec import load_spec
 
-    spec = load_spec(ROOT / "specs" / "smollm2_135m.toml")
-    attention, n_tokens = spec.block.attention, B * T
+    return load_spec(ROOT / "specs" / f"{model.spec}.toml")
+
+
+def mlp_hidden(spec) -> int:
+    from pyml.runtime.hf_config import block_layers
+    from pyml.spec.layers import MLP
+
+    (mlp,) = block_layers(spec, MLP)
+    return mlp.hidden
+
+
+def matmul_flops(model: BenchModel) -> float:
+    """FLOPs of the step's matrix products: forward, and twice that backward (dX and dW)."""
+    spec = model_spec(model)
+    (attention,), n_tokens = spec.attentions(), B * T
     q, kv = attention.n_heads * attention.head_dim, attention.n_kv_heads * attention.head_dim
-    d, hidden, vocab = spec.embedding.dim, spec.block.mlp.hidden, spec.embedding.vocab_size
+    d, hidden, vocab = spec.embedding.dim, mlp_hidden(spec), spec.embedding.vocab_size
     per_block = 2 * n_tokens * (d * q + 2 * d * kv + q * d + 3 * d * hidden)
     per_block += 2 * 2 * B * attention.n_heads * T * T * attention.head_dim  # QKᵀ and PV
     forward = spec.block.count * per_block + 2 * n_tokens * d * vocab
     return 3 * forward
 
 
-def gemm_rate() -> float:
+def gemm_rate(model: BenchModel) -> float:
     """float32 GEMM FLOP/s numpy reaches here at the MLP's shape, best of 30."""
-    a = np.random.default_rng(0).standard_normal((B * T, 576), dtype=np.float32)
-    b = np.random.default_rng(1).standard_normal((576, 1536), dtype=np.float32)
-    out = np.empty((B * T, 1536), np.float32)
+    spec = model_spec(model)
+    d, hidden = spec.embedding.dim, mlp_hidden(spec)
+    a = np.random.default_rng(0).standard_normal((B * T, d), dtype=np.float32)
+    b = np.random.default_rng(1).standard_normal((d, hidden), dtype=np.float32)
+    out = np.empty((B * T, hidden), np.float32)
     best = float("inf")
     for _ in range(30):
         started = time.perf_counter()
@@ -139,10 +182,10 @@ def gemm_rate() -> float:
     return 2 * a.shape[0] * a.shape[1] * b.shape[1] / best
 
 
-def worker(system: str, connection) -> None:
-    """Load `system`, then answer each list of batches with (loss, seconds) per step; on None,
-    answer with the peak resident memory (MiB) and the thread pools, and stop."""
-    runner = SYSTEMS[system]()
+def worker(system: str, model: str, connection) -> None:
+    """Load `system` with `model`, then answer each list of batches with (loss, seconds) per step;
+    on None, answer with the peak resident memory (MiB) and the thread pools, and stop."""
+    runner = SYSTEMS[system](MODELS[model])
     while (batches := connection.recv()) is not None:
         results = []
         for inputs, targets in batches:
@@ -154,7 +197,7 @@ def worker(system: str, connection) -> None:
                      thread_counts()))
 
 
-def start_worker(context, system: str):
+def start_worker(context, system: str, model: str):
     """A worker for `system`, with the start environment; pyml's worker also gets the thread-pool
     settings pyml makes on import, since in a spawned child numpy loads before pyml does."""
     from pyml import THREAD_POOL_ENVIRONMENT
@@ -167,7 +210,7 @@ def start_worker(context, system: str):
         os.environ.update({name: value for name, value in THREAD_POOL_ENVIRONMENT.items()
                            if name not in START_ENVIRONMENT})
     try:
-        process = context.Process(target=worker, args=(system, child_end), daemon=True)
+        process = context.Process(target=worker, args=(system, model, child_end), daemon=True)
         process.start()
     finally:
         os.environ.clear()
@@ -186,7 +229,7 @@ def thread_counts() -> dict:
 
 
 def markdown(report: dict) -> str:
-    lines = [f"SmolLM2-135M training step, batch {B}x{T}, AdamW, {report['date']}, "
+    lines = [f"{report['model']} training step, batch {B}x{T}, AdamW, {report['date']}, "
              f"{report['machine']}; versions {report['versions']}.", "",
              "| system | median s/step | min | max | ratio to eager | peak RSS MiB |",
              "| --- | --- | --- | --- | --- | --- |"]
@@ -205,18 +248,20 @@ def markdown(report: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=list(MODELS), default="smollm2")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--compile", action="store_true", help="also run torch.compile (slow start)")
     args = parser.parse_args()
-    ensure_model()
+    model = MODELS[args.model]
+    ensure_model(model)
 
     names = ["ours", "torch"] + (["compile"] if args.compile else [])
     per_round = args.warmup + args.steps
-    batches = corpus_batches(args.rounds * per_round)
+    batches = corpus_batches(args.rounds * per_round, model)
     context = multiprocessing.get_context("spawn")
-    workers = {name: start_worker(context, name) for name in names}
+    workers = {name: start_worker(context, name, args.model) for name in names}
     times = {name: [] for name in names}
     losses = {name: [] for name in names}
     for round_index in range(args.rounds):
@@ -233,19 +278,20 @@ def main() -> None:
         finals[name] = connection.recv()
         process.join()
 
-    flops, rate = matmul_flops(), gemm_rate()
+    flops, rate = matmul_flops(model), gemm_rate(model)
     reference = np.array(losses["torch"])
     import numba
     import torch
     import transformers
 
     report = {
+        "model": model.title,
         "date": date.today().isoformat(),
         "machine": f"{platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores",
         "versions": {"python": platform.python_version(), "numpy": np.__version__,
                      "numba": numba.__version__, "torch": torch.__version__,
                      "transformers": transformers.__version__},
-        "protocol": {"batch": B, "seq": T, "rounds": args.rounds, "warmup": args.warmup,
+        "protocol": {"batch": B, "seq": T, "lr": model.lr, "rounds": args.rounds, "warmup": args.warmup,
                      "timed_steps_per_round": args.steps},
         "systems": {name: {"name": finals[name][0], "median_s": statistics.median(times[name]),
                            "min_s": min(times[name]), "max_s": max(times[name]), "times_s": times[name],
@@ -259,8 +305,9 @@ def main() -> None:
     }
     report["ratio_to_eager"] = report["systems"]["ours"]["median_s"] / report["systems"]["torch"]["median_s"]
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "train_step.json").write_text(json.dumps(report, indent=2) + "\n")
-    (RESULTS / "train_step.md").write_text(markdown(report))
+    stem = "train_step" if args.model == "smollm2" else f"train_step_{args.model}"
+    (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (RESULTS / f"{stem}.md").write_text(markdown(report))
     print(markdown(report))
     if report["max_loss_rel_diff"] > LOSS_AGREEMENT:
         # a speed figure is only worth something if the systems computed the same training run

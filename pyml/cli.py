@@ -110,20 +110,22 @@ def import_gguf(
         "the GGUF's file name without .gguf.")] = None,
 ) -> None:
     """Dequantise a GGUF into DIR: model.safetensors (Hugging Face layout), config.json, the
-    tokenizer, the chat template if it has one, and spec.toml, the pyml spec of the model."""
+    tokenizer, the chat template if it has one, and spec.toml, the pyml spec of the model (named
+    after DIR; a shipped model's is the name of its spec in specs/)."""
     from pyml.runtime.gguf_import import import_gguf as run_import
 
     if path is not None and shipped is not None:
         raise PymlError("give a GGUF file or --shipped, not both")
+    name = None  # the spec is named after the folder
     if path is None:
         shipped = shipped or ShippedModel.smollm2
         if shipped == ShippedModel.gemma3:
-            from pyml.runtime.gemma3_gguf import shipped_gguf_path
+            from pyml.runtime import gemma3_gguf as shipped_model
         else:
-            from pyml.runtime.smollm2_gguf import shipped_gguf_path
-        path = shipped_gguf_path()
+            from pyml.runtime import smollm2_gguf as shipped_model
+        path, name = shipped_model.shipped_gguf_path(), shipped_model.SPEC_NAME
         out = out or Path("models") / shipped.value
-    written = run_import(path, out or Path("models") / path.name.removesuffix(".gguf"))
+    written = run_import(path, out or Path("models") / path.name.removesuffix(".gguf"), name=name)
     print(f"wrote {written}")
 
 
@@ -138,18 +140,18 @@ def generate(
     temperature: Annotated[float, typer.Option(help="0 for greedy decoding.")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass (with temperature > 0).")] = 1.0,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
-    spec: Annotated[Path, typer.Option(help="The decoder spec whose generated package runs the model.")] = Path(
-        "specs/smollm2_135m.toml"),
+    spec: Annotated[Path | None, typer.Option(help="The decoder spec whose generated package runs the model. Default: the folder's spec.toml.")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
 ) -> None:
-    """Generate text with the generated package and a KV cache, streaming tokens as they come."""
+    """Generate text with the generated package of the folder's spec (gen/<name>/) and a KV cache,
+    streaming tokens as they come."""
     from pyml.runtime import generate as generation
 
     if temperature < 0 or not 0 < top_p <= 1:
         raise PymlError("--temperature must be >= 0 and --top-p in (0, 1]")
-    loaded = generation.load_model(model, spec, device)
     tokenizer = generation.load_tokenizer(model)
-    ids = generation.prompt_ids(model, tokenizer, prompt, chat)
+    ids = generation.prompt_ids(model, tokenizer, prompt, chat)  # before the slow part: the weights
+    loaded = generation.load_model(model, spec, device)
     result = generation.generate(loaded, tokenizer, ids, max_new_tokens, generation.eos_ids(model),
                                  temperature, top_p, seed)
     print()
@@ -204,6 +206,13 @@ bench_app = typer.Typer(help="Benchmarks against PyTorch and transformers (resul
 app.add_typer(bench_app, name="bench")
 
 
+class BenchModel(str, Enum):
+    """The shipped models the benchmarks run (bench/train_step.py's MODELS)."""
+
+    smollm2 = "smollm2"
+    gemma3 = "gemma3"
+
+
 def run_benchmark(script: str, arguments: list[str]) -> None:
     path = ROOT / "bench" / script
     if not path.exists():
@@ -221,10 +230,11 @@ def bench_train(
     rounds: Annotated[int, typer.Option(help="Rounds; systems alternate within each.")] = 3,
     steps: Annotated[int, typer.Option(help="Timed steps per system per round.")] = 10,
     compile: Annotated[bool, typer.Option(help="Also time torch.compile (about 75 s to compile).")] = False,
+    model: Annotated[BenchModel, typer.Option(help="The shipped model to train.")] = BenchModel.smollm2,
 ) -> None:
-    """SmolLM2-135M training step (2x128 tokens, AdamW): this project's package vs PyTorch."""
-    run_benchmark("train_step.py", ["--rounds", str(rounds), "--steps", str(steps)]
-                  + (["--compile"] if compile else []))
+    """A real model's training step (2x128 tokens, AdamW): this project's package vs PyTorch."""
+    run_benchmark("train_step.py", ["--model", model.value, "--rounds", str(rounds), "--steps",
+                                    str(steps)] + (["--compile"] if compile else []))
 
 
 @bench_app.command("scaling")
@@ -243,9 +253,11 @@ def bench_scaling(
 def bench_generate(
     new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 64,
     repeats: Annotated[int, typer.Option(help="Timed runs per system.")] = 3,
+    model: Annotated[BenchModel, typer.Option(help="The shipped model to run.")] = BenchModel.smollm2,
 ) -> None:
     """Prefill and decode tokens/s of `pyml generate` vs transformers' generate, greedy."""
-    run_benchmark("generate.py", ["--new-tokens", str(new_tokens), "--repeats", str(repeats)])
+    run_benchmark("generate.py", ["--model", model.value, "--new-tokens", str(new_tokens),
+                                  "--repeats", str(repeats)])
 
 
 def main() -> None:

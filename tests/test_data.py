@@ -15,6 +15,7 @@ from pyml.runtime.data import (
     next_token_pairs,
     pack,
     split_documents,
+    start_id,
 )
 from pyml.runtime.digits import load_digits_split
 
@@ -61,6 +62,25 @@ def test_encoding_puts_eos_after_every_document_and_packing_makes_shifted_window
     inputs, targets = next_token_pairs(windows)
     assert inputs.shape == targets.shape == (2, 3)
     assert (targets[:, :-1] == inputs[:, 1:]).all()
+
+
+def test_with_a_start_id_every_window_begins_with_it_and_every_token_is_a_target_once():
+    stream = np.arange(10, 20)
+    windows = pack(stream, 3, start=1)
+    assert windows.tolist() == [[1, 10, 11, 12], [1, 13, 14, 15], [1, 16, 17, 18]]
+    inputs, targets = next_token_pairs(windows)
+    assert (inputs[:, 0] == 1).all()
+    assert targets.reshape(-1).tolist() == stream[:9].tolist()  # 19 waits for a window of its own
+    with pytest.raises(PymlError, match="shorter --seq"):
+        pack(np.arange(2), 3, start=1)
+
+
+def test_the_start_id_is_what_the_tokenizer_puts_before_every_text():
+    def framing_with(prefix):
+        return lambda text, special: (prefix if special else []) + list(text.encode())
+
+    assert start_id(framing_with([2])) == 2  # Gemma's <bos>
+    assert start_id(framing_with([])) is None  # SmolLM2's tokenizer adds nothing
 
 
 def test_pydoc_windows_have_the_requested_shape():

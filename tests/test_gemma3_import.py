@@ -56,14 +56,13 @@ def tokenizer_from_gguf(path: Path):
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
-# -- the real model: imported once, loaded by transformers from the GGUF once (about 30 s here)
+# -- the real model: imported once (conftest.py), loaded by transformers from the GGUF once (about
+# 30 s here)
 
 
 @pytest.fixture(scope="session")
-def imported_dir(tmp_path_factory) -> Path:
-    return import_gguf(
-        shipped_gguf_path(), tmp_path_factory.mktemp("gemma") / "gemma3-270m", progress=False
-    )
+def imported_dir(gemma3_dir) -> Path:
+    return gemma3_dir
 
 
 @pytest.fixture(scope="session")

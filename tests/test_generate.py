@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from pyml.errors import PymlError
 from pyml.runtime import generate as generation
 from pyml.runtime.gguf_import import import_gguf
-from pyml.runtime.smollm2_gguf import shipped_gguf_path
+from pyml.runtime.smollm2_gguf import SPEC_NAME, shipped_gguf_path
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "specs" / "smollm2_135m.toml"
@@ -22,7 +22,9 @@ QUESTION = "What is the capital of France?"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return import_gguf(shipped_gguf_path(), tmp_path_factory.mktemp("smollm2"), progress=False)
+    # named as `pyml import-gguf` names the shipped model's spec: gen/smollm2_135m runs the folder
+    return import_gguf(shipped_gguf_path(), tmp_path_factory.mktemp("smollm2"), progress=False,
+                       name=SPEC_NAME)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +112,7 @@ def test_cli_generate_answers_the_chat_question(model_dir):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--model", "/nonexistent/model"], "config.json: missing"),
+    (["--model", "/nonexistent/model"], "/nonexistent/model: no such folder"),
     (["--temperature", "-1"], "--temperature must be >= 0"),
 ])
 def test_cli_generate_rejects_bad_input_in_one_line(args, message):

@@ -1,8 +1,9 @@
 """Text generation with a generated decoder package and a KV cache.
 
 The model folder is what `pyml import-gguf` writes (model.safetensors, config.json, tokenizer.json,
-tokenizer_config.json, generation_config.json). Its config must describe the spec's model: a
-mismatch is reported by field before any weight is read.
+tokenizer_config.json, generation_config.json, spec.toml). Its spec.toml picks the generated package
+(its `name` selects `gen.<name>`), unless a spec is given; config.json must describe that spec
+(`pyml.runtime.hf_config`): a mismatch is reported by field before any weight is read.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import TextIO
 
 import numpy as np
@@ -20,7 +22,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from pyml.errors import PymlError
+from pyml.runtime.hf_config import config_mismatches
 from pyml.spec import DecoderModel, load_spec
+
+SPEC_FILE = "spec.toml"  # the spec `pyml import-gguf` writes beside the weights
 
 
 @dataclass
@@ -41,36 +46,47 @@ def read_json(path: Path) -> dict:
         raise PymlError(f"{path}: not readable JSON ({error})") from None
 
 
-def config_mismatches(spec: DecoderModel, config: dict) -> list[str]:
-    """Fields of a Hugging Face LlamaConfig that disagree with the spec."""
-    attention = spec.block.attention
-    expected = {
-        "vocab_size": spec.embedding.vocab_size,
-        "hidden_size": spec.embedding.dim,
-        "num_hidden_layers": spec.block.count,
-        "num_attention_heads": attention.n_heads,
-        "num_key_value_heads": attention.n_kv_heads,
-        "head_dim": attention.head_dim,
-        "intermediate_size": spec.block.mlp.hidden,
-        "tie_word_embeddings": spec.lm_head.tied,
-        "rms_norm_eps": spec.final_norm.eps,
-        "rope_theta": attention.rope.theta if attention.rope else None,
-    }
-    return [f"{key} is {config.get(key)!r} in config.json but {value!r} in the spec"
-            for key, value in expected.items() if config.get(key) != value]
+def existing_folder(model_dir: Path) -> Path:
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise PymlError(f"{model_dir}: no such folder (--model takes a folder written by "
+                        "`pyml import-gguf`)")
+    return model_dir
 
 
-def generated_package(spec: DecoderModel, spec_path: Path):
-    try:
-        return importlib.import_module(f"gen.{spec.name}")
-    except ModuleNotFoundError:
-        raise PymlError(f"no generated package gen/{spec.name}: run `pyml gen {spec_path}` first") from None
+def folder_spec_path(model_dir: Path) -> Path:
+    path = existing_folder(model_dir) / SPEC_FILE
+    if not path.is_file():
+        raise PymlError(f"{path}: missing (`pyml import-gguf` writes one); give the model's spec "
+                        "with --spec")
+    return path
 
 
-def load_model(model_dir: Path, spec_path: Path, device: str = "cpu"):
+def load_decoder_spec(spec_path: Path) -> DecoderModel:
     spec = load_spec(spec_path)
     if not isinstance(spec, DecoderModel):
         raise PymlError(f"{spec_path}: `pyml generate` needs a decoder spec")
+    return spec
+
+
+def generated_package(spec: DecoderModel, spec_path: Path) -> ModuleType:
+    """`gen.<spec name>`, or a PymlError that says how to generate it."""
+    module_name = f"gen.{spec.name}"
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name not in ("gen", module_name):
+            raise  # the package exists but lacks something it imports: not the user's to fix
+        raise PymlError(f"no generated package gen/{spec.name}/ for spec '{spec.name}': run "
+                        f"`pyml gen {spec_path}` first") from None
+
+
+def load_model(model_dir: Path, spec_path: Path | None = None, device: str = "cpu"):
+    """The model of `model_dir` in its generated package; `spec_path` (default: the folder's
+    spec.toml) names the spec, hence the package."""
+    model_dir = existing_folder(model_dir)
+    spec_path = folder_spec_path(model_dir) if spec_path is None else Path(spec_path)
+    spec = load_decoder_spec(spec_path)
     config = read_json(model_dir / "config.json")
     mismatches = config_mismatches(spec, config)
     if mismatches:
@@ -80,7 +96,7 @@ def load_model(model_dir: Path, spec_path: Path, device: str = "cpu"):
 
 
 def load_tokenizer(model_dir: Path) -> Tokenizer:
-    path = model_dir / "tokenizer.json"
+    path = existing_folder(model_dir) / "tokenizer.json"
     try:
         return Tokenizer.from_file(str(path))
     except Exception as error:  # tokenizers raises a bare Exception for missing or bad files
@@ -107,7 +123,8 @@ def prompt_ids(model_dir: Path, tokenizer: Tokenizer, prompt: str, chat: bool) -
     config = read_json(model_dir / "tokenizer_config.json")
     template = config.get("chat_template")
     if not template:
-        raise PymlError(f"{model_dir / 'tokenizer_config.json'}: no chat_template; drop --chat")
+        raise PymlError(f"{model_dir} has no chat template (a base model is prompted with plain "
+                        "text): drop --chat")
     special = {key: config[key] for key in ("bos_token", "eos_token") if isinstance(config.get(key), str)}
     return tokenizer.encode(render_chat(template, prompt, special), add_special_tokens=False).ids
 

@@ -30,8 +30,9 @@ from pyml.runtime.tokenizer import (
 SPEC_FILE = "spec.toml"
 
 
-def import_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> Path:
-    """Write the Hugging Face model folder for the GGUF at `gguf_path` into `out_dir`."""
+def import_gguf(gguf_path: Path, out_dir: Path, progress: bool = True, name: str | None = None) -> Path:
+    """Write the Hugging Face model folder for the GGUF at `gguf_path` into `out_dir`; its spec is
+    called `name` (default: after the folder)."""
     gguf = read_gguf(gguf_path)
     architecture = architecture_of(gguf)
     tied = check_tensors(gguf, architecture)
@@ -41,7 +42,7 @@ def import_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> Path:
         raise PymlError(f"{out_dir}: exists and is not a directory")
 
     config = architecture.hf_config(tied) | _generation_config(gguf)
-    spec = architecture.spec(spec_name(out_dir), tied)
+    spec = architecture.spec(name or spec_name(out_dir), tied)
     files = {
         "config.json": _json_bytes(config),
         "generation_config.json": _json_bytes(_generation_config(gguf)),

@@ -42,6 +42,7 @@ from pyml.runtime.data import (
     next_token_pairs,
     pack,
     split_documents,
+    start_id,
 )
 from pyml.runtime.distributed import SingleProcess
 from pyml.runtime.safetensors_io import atomic_write
@@ -493,10 +494,10 @@ def text_pairs(config: TrainingConfig, package: ModuleType):
         raise PymlError(f"{config_path}: no integer eos_token_id to end each document with")
 
     def encode_batch(texts: list[str]) -> list[list[int]]:
-        return [
-            encoding.ids for encoding in tokenizer.encode_batch(texts, add_special_tokens=False)
-        ]
+        # framed as the tokenizer frames any text: Gemma's starts each document with <bos>
+        return [encoding.ids for encoding in tokenizer.encode_batch(texts)]
 
+    start = start_id(lambda text, special: tokenizer.encode(text, add_special_tokens=special).ids)
     documents = load_corpus(None if config.data is None else Path(config.data))
     train_documents, held_out_documents = split_documents(documents, seed=config.seed)
     train_ids = encode_documents(train_documents, encode_batch, eos_id)
@@ -506,6 +507,6 @@ def text_pairs(config: TrainingConfig, package: ModuleType):
         f"({len(train_ids):,} tokens), {len(held_out_documents)} held out "
         f"({len(held_out_ids):,} tokens)"
     )
-    return next_token_pairs(pack(train_ids, config.seq)), next_token_pairs(
-        pack(held_out_ids, config.seq)
+    return next_token_pairs(pack(train_ids, config.seq, start)), next_token_pairs(
+        pack(held_out_ids, config.seq, start)
     )

@@ -1,0 +1,163 @@
+"""Which Hugging Face config describes a pyml spec, and how a config.json disagrees with one.
+
+A model folder's config.json is Hugging Face's description of the model its spec.toml declares: a
+LlamaConfig for a spec whose block is Llama's (the decoder shorthand), a Gemma3TextConfig for one
+whose block is Gemma 3's (pre- and post-norms around attention and MLP). From the spec we derive the
+config fields it determines and compare them with the file's, field by field, so that a folder
+holding another model is refused with the fields that differ.
+"""
+
+from __future__ import annotations
+
+import math
+
+from pyml.spec import DecoderModel
+from pyml.spec.layers import MLP, Attention, RMSNorm
+
+# Each family's block as the layer kinds of its residuals; the shorthand expands into Llama's.
+LLAMA_BLOCK = (("rmsnorm", "attention"), ("rmsnorm", "mlp"))
+GEMMA3_BLOCK = (("rmsnorm", "attention", "rmsnorm"), ("rmsnorm", "mlp", "rmsnorm"))
+# The Hugging Face name of each MLP activation (`hidden_act` in Llama, `hidden_activation` in Gemma).
+HF_ACTIVATIONS = {"swiglu": "silu", "geglu": "gelu_pytorch_tanh"}
+
+
+def block_kinds(spec: DecoderModel) -> tuple[tuple[str, ...], ...] | None:
+    """The layer kinds of each residual of the block, or None if the block is not residuals."""
+    items = spec.block_items()
+    if any(item.layer.kind != "residual" for item in items):
+        return None
+    return tuple(tuple(inner.layer.kind for inner in item.body) for item in items)
+
+
+def block_layers(spec: DecoderModel, kind: type) -> list:
+    found = []
+
+    def visit(items) -> None:
+        for item in items:
+            if isinstance(item.layer, kind):
+                found.append(item.layer)
+            visit(item.body)
+
+    visit(spec.block_items())
+    return found
+
+
+def common_fields(spec: DecoderModel, attention: Attention, mlp: MLP) -> dict[str, object]:
+    """The fields LlamaConfig and Gemma3TextConfig share, as the spec determines them."""
+    return {
+        "vocab_size": spec.embedding.vocab_size,
+        "hidden_size": spec.embedding.dim,
+        "num_hidden_layers": spec.block.count,
+        "num_attention_heads": attention.n_heads,
+        "num_key_value_heads": attention.n_kv_heads,
+        "head_dim": attention.head_dim,
+        "intermediate_size": mlp.hidden,
+        "max_position_embeddings": spec.max_seq_len,
+        "tie_word_embeddings": spec.lm_head.tied,
+        "rms_norm_eps": spec.final_norm.eps,
+        "rope_theta": attention.rope.theta if attention.rope else None,
+    }
+
+
+def not_describable(spec: DecoderModel, attention: Attention, mlp: MLP, gemma: bool) -> list[str]:
+    """What of the spec its family's config has no field for (gemma: Gemma 3, else Llama)."""
+    norms = [spec.final_norm, *block_layers(spec, RMSNorm)]
+    norms += [attention.qk_norm] if attention.qk_norm else []
+    types = [attention.type_of_layer(l) for l in range(spec.block.count)]
+    problems = []
+    if attention.rope is None:
+        problems.append("attention without RoPE")
+    if attention.qkv_bias != attention.out_bias:
+        problems.append("biases on some attention projections only")
+    if len({norm.eps for norm in norms}) > 1:
+        problems.append("norms with different eps")
+    if not gemma:
+        if any(norm.unit_offset for norm in norms):
+            problems.append("unit-offset norms")
+        if attention.qk_norm is not None:
+            problems.append("QK-norm")
+        if attention.pattern is not None:
+            problems.append("attention pattern")
+        if attention.scale is not None:
+            problems.append("attention scale")
+        if spec.embedding.scale != 1.0:
+            problems.append("embedding scale")
+        return problems
+    if not all(norm.unit_offset for norm in norms) or attention.qk_norm is None:
+        problems.append("norms without a unit offset or attention without QK-norm")
+    for layer_type in (True, False):  # sliding, global: one window and one RoPE base each
+        if len({(kind.window, kind.rope_theta) for kind in types if bool(kind.window) == layer_type}) > 1:
+            problems.append("windows or RoPE bases that differ between layers of one type")
+    if not math.isclose(spec.embedding.scale, spec.embedding.dim**0.5, rel_tol=1e-7):
+        problems.append(f"embedding scale other than sqrt({spec.embedding.dim})")
+    if mlp.bias:
+        problems.append("MLP biases")
+    return problems
+
+
+def described_config(spec: DecoderModel) -> tuple[dict[str, object], list[str]]:
+    """The Hugging Face config fields that describe `spec`, model_type first, and what of the spec
+    no config of its family can describe (empty when the spec is a Llama or a Gemma 3 model)."""
+    kinds = block_kinds(spec)
+    if kinds not in (LLAMA_BLOCK, GEMMA3_BLOCK):
+        return {"model_type": None}, ["a block that is neither Llama's nor Gemma 3's"]
+    gemma = kinds == GEMMA3_BLOCK
+    (attention,), (mlp,) = block_layers(spec, Attention), block_layers(spec, MLP)
+    fields = {"model_type": "gemma3_text" if gemma else "llama"}
+    fields |= common_fields(spec, attention, mlp)
+    activation = HF_ACTIVATIONS[mlp.activation]
+    if not gemma:
+        fields |= {"hidden_act": activation, "attention_bias": attention.qkv_bias,
+                   "mlp_bias": mlp.bias}
+        return fields, not_describable(spec, attention, mlp, gemma)
+    types = [attention.type_of_layer(l) for l in range(spec.block.count)]
+    sliding = [kind for kind in types if kind.window]
+    full = [kind for kind in types if not kind.window]
+    fields |= {
+        "rope_theta": full[0].rope_theta if full else fields["rope_theta"],
+        "rope_local_base_freq": sliding[0].rope_theta if sliding else None,
+        "sliding_window": sliding[0].window if sliding else None,
+        "layer_types": ["sliding_attention" if kind.window else "full_attention" for kind in types],
+        "query_pre_attn_scalar": attention.score_scale**-2,
+        "hidden_activation": activation,
+        "attention_bias": attention.qkv_bias,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+    }
+    return fields, not_describable(spec, attention, mlp, gemma)
+
+
+def with_rope_bases(config: dict) -> dict:
+    """`config` with `rope_theta` (and Gemma's `rope_local_base_freq`) as import-gguf writes
+    them, also where transformers 5 saved them in `rope_parameters` instead."""
+    parameters = config.get("rope_parameters")
+    if not isinstance(parameters, dict):
+        return config
+    if "rope_theta" in parameters:  # one base for every layer (Llama)
+        bases = {"rope_theta": parameters["rope_theta"]}
+    else:  # a base per layer type (Gemma 3)
+        per_type = {kind: value for kind, value in parameters.items() if isinstance(value, dict)}
+        bases = {"rope_theta": per_type.get("full_attention", {}).get("rope_theta"),
+                 "rope_local_base_freq": per_type.get("sliding_attention", {}).get("rope_theta")}
+    return config | {key: value for key, value in bases.items() if config.get(key) is None}
+
+
+def same(ours: object, theirs: object) -> bool:
+    """Equal, floats to rounding (a config may hold 256 where the spec holds 256.0)."""
+    if isinstance(ours, float) and isinstance(theirs, (int, float)):
+        return math.isclose(ours, theirs, rel_tol=1e-12)
+    return ours == theirs
+
+
+def config_mismatches(spec: DecoderModel, config: dict) -> list[str]:
+    """How a Hugging Face config.json disagrees with the spec, one entry per field; empty when it
+    describes the spec's model."""
+    expected, not_described = described_config(spec)
+    config = with_rope_bases(config)
+    if expected["model_type"] != config.get("model_type"):
+        family = repr(expected["model_type"]) if expected["model_type"] else "neither Llama nor Gemma 3"
+        return [f"model_type is {config.get('model_type')!r} in config.json but the spec is {family}"]
+    if not_described:
+        return [f"config.json cannot describe the spec's {', '.join(not_described)}"]
+    return [f"{key} is {config.get(key)!r} in config.json but {value!r} in the spec"
+            for key, value in expected.items() if not same(value, config.get(key))]
