@@ -104,7 +104,7 @@ def export_gguf(model_dir: Path, out: Path, type_name: str = "f32", progress: bo
     except OSError as error:
         raise PymlError(f"{out}: cannot write: {error.strerror}") from None
     try:
-        _write(temporary, architecture, metadata, tensors, plan, file_type, progress)
+        _write(temporary, architecture, metadata, tensors, plan, file_type, out.name if progress else "")
         os.replace(temporary, out)
     except OSError as error:
         raise PymlError(f"{out}: cannot write: {error.strerror}") from None
@@ -350,9 +350,9 @@ def permute_rotary_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
     )
 
 
-def _write(path, architecture, metadata, tensors, plan, file_type, progress) -> None:
+def _write(path, architecture, metadata, tensors, plan, file_type, shown_name) -> None:
     """The GGUF at `path`, one tensor encoded at a time (each source tensor is dropped once
-    written)."""
+    written), with a progress bar naming `shown_name` unless it is empty."""
     writer = gguf.GGUFWriter(path, architecture.name)
     for key, value in metadata.items():
         if key != "general.architecture":  # the writer adds it
@@ -366,7 +366,7 @@ def _write(path, architecture, metadata, tensors, plan, file_type, progress) -> 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    with tqdm(plan, disable=not progress, unit="tensor", desc=f"writing {Path(path).name}") as bar:
+    with tqdm(plan, disable=not shown_name, unit="tensor", desc=f"writing {shown_name}") as bar:
         for name, hf_name, _, kind in bar:
             weight = np.asarray(tensors.pop(hf_name), dtype=np.float32)
             writer.write_tensor_data(quantize(gguf_weight(architecture, name, weight), kind))

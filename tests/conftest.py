@@ -1,0 +1,68 @@
+"""Model folders shared by the test modules of the fine-tuning loop (checkpoint, chat, export),
+made once per session: importing, training and writing them are the slow parts."""
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing from a hub
+
+ROOT = Path(__file__).resolve().parent.parent
+SPECS = ROOT / "specs"
+
+
+@pytest.fixture(scope="session")
+def tiny_folders(tmp_path_factory) -> dict[str, Path]:
+    """{"llama": folder, "gemma3": folder}: tiny imported models of both families."""
+    from model_folders import tiny_folder
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {architecture: tiny_folder(root, architecture) for architecture in ("llama", "gemma3")}
+
+
+def shipped_folder(tmp_path_factory, name: str) -> Path:
+    from pyml.errors import PymlError
+    from pyml.runtime.gguf_import import import_gguf
+
+    if name == "gemma3-270m":
+        from pyml.runtime.gemma3_gguf import shipped_gguf_path
+    else:
+        from pyml.runtime.smollm2_gguf import shipped_gguf_path
+    try:
+        path = shipped_gguf_path()
+    except PymlError as error:
+        pytest.skip(str(error))
+    return import_gguf(path, tmp_path_factory.mktemp("shipped") / name, progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder(tmp_path_factory) -> Path:
+    return shipped_folder(tmp_path_factory, "smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def gemma3_folder(tmp_path_factory) -> Path:
+    return shipped_folder(tmp_path_factory, "gemma3-270m")
+
+
+def one_step_checkpoint(tmp_path_factory, spec: str, init: Path) -> Path:
+    """The checkpoint of one training step (a batch of one 32-token sequence) from `init`."""
+    pytest.importorskip(f"gen.{spec}", reason=f"gen/{spec} not generated: run `make gen`")
+    from pyml.runtime.train import train
+
+    result = train(
+        SPECS / f"{spec}.toml", init=init, steps=1, batch=1, seq=32, eval_every=1,
+        eval_batches=1, out=tmp_path_factory.mktemp(f"{spec}_run"), progress=False,
+    )  # fmt: skip
+    return result.checkpoint
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint(tmp_path_factory, smollm2_folder) -> Path:
+    return one_step_checkpoint(tmp_path_factory, "smollm2_135m", smollm2_folder)
+
+
+@pytest.fixture(scope="session")
+def gemma3_checkpoint(tmp_path_factory, gemma3_folder) -> Path:
+    return one_step_checkpoint(tmp_path_factory, "gemma3_270m", gemma3_folder)
