@@ -47,13 +47,17 @@ def gemma3_folder(tmp_path_factory) -> Path:
 
 
 def one_step_checkpoint(tmp_path_factory, spec: str, init: Path) -> Path:
-    """The checkpoint of one training step (a batch of one 32-token sequence) from `init`."""
+    """The checkpoint of one training step (a batch of one 32-token sequence) from `init`, on a
+    few lines of text (tokenising the default corpus would take longer than the step)."""
     pytest.importorskip(f"gen.{spec}", reason=f"gen/{spec} not generated: run `make gen`")
+    from model_folders import tiny_text
+
     from pyml.runtime.train import train
 
+    folder = tmp_path_factory.mktemp(f"{spec}_run")
     result = train(
-        SPECS / f"{spec}.toml", init=init, steps=1, batch=1, seq=32, eval_every=1,
-        eval_batches=1, out=tmp_path_factory.mktemp(f"{spec}_run"), progress=False,
+        SPECS / f"{spec}.toml", init=init, data=tiny_text(folder / "text.txt"), steps=1, batch=1,
+        seq=32, eval_every=1, eval_batches=1, out=folder / "run", progress=False,
     )  # fmt: skip
     return result.checkpoint
 
@@ -66,3 +70,22 @@ def smollm2_checkpoint(tmp_path_factory, smollm2_folder) -> Path:
 @pytest.fixture(scope="session")
 def gemma3_checkpoint(tmp_path_factory, gemma3_folder) -> Path:
     return one_step_checkpoint(tmp_path_factory, "gemma3_270m", gemma3_folder)
+
+
+def exported(tmp_path_factory, checkpoint: Path) -> Path:
+    from pyml.runtime.gguf_export import export_gguf
+
+    out = tmp_path_factory.mktemp("exported") / f"{checkpoint.parent.parent.name}.gguf"
+    return export_gguf(checkpoint, out, "f32", progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_export(tmp_path_factory, smollm2_checkpoint) -> Path:
+    """The fine-tuned SmolLM2's checkpoint as a GGUF, f32."""
+    return exported(tmp_path_factory, smollm2_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def gemma3_export(tmp_path_factory, gemma3_checkpoint) -> Path:
+    """The fine-tuned Gemma 3's checkpoint as a GGUF, f32."""
+    return exported(tmp_path_factory, gemma3_checkpoint)

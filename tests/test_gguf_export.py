@@ -293,7 +293,8 @@ def test_cli_writes_the_file_with_a_progress_bar_on_stderr(tiny_folders, tmp_pat
     assert [path.name for path in tmp_path.iterdir()] == ["model.gguf"]  # no temporary left
 
 
-# -- the shipped models: metadata as llama.cpp's converter wrote it, transformers and llama.cpp
+# -- the shipped models, fine-tuned a step (tests/conftest.py): metadata as llama.cpp's converter
+# wrote it into the shipped GGUFs (the metadata does not change with the weights)
 
 
 # What the shipped files hold that a model folder does not (where they came from, what they were
@@ -326,16 +327,14 @@ def assert_metadata_as_shipped(exported: Path, shipped: Path) -> None:
 
 
 @pytest.mark.slow
-def test_smollm2_export_holds_the_metadata_of_the_shipped_gguf(smollm2_folder, tmp_path):
+def test_smollm2_export_holds_the_metadata_of_the_shipped_gguf(smollm2_export):
     from pyml.runtime.smollm2_gguf import shipped_gguf_path
 
-    exported = export_gguf(smollm2_folder, tmp_path / "smollm2.gguf", "q8_0", progress=False)
-    assert_metadata_as_shipped(exported, shipped_gguf_path())
+    assert_metadata_as_shipped(smollm2_export, shipped_gguf_path())
 
 
 @pytest.mark.slow
-def test_gemma3_export_holds_the_metadata_of_the_shipped_gguf(gemma3_folder, tmp_path):
+def test_gemma3_export_holds_the_metadata_of_the_shipped_gguf(gemma3_export):
     from pyml.runtime.gemma3_gguf import shipped_gguf_path
 
-    exported = export_gguf(gemma3_folder, tmp_path / "gemma3.gguf", "q8_0", progress=False)
-    assert_metadata_as_shipped(exported, shipped_gguf_path())
+    assert_metadata_as_shipped(gemma3_export, shipped_gguf_path())
