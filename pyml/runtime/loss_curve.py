@@ -34,12 +34,12 @@ def smoothed(losses: list[float]) -> list[float]:
 
 
 def describe_settings(config) -> str:
-    """One line of the settings a run (a `TrainingConfig`) trained with."""
+    """The settings a run (a `TrainingConfig`) trained with, in two lines."""
     start = f"from {config.init}" if config.init else "from fresh weights"
     rows = f"{config.batch} x {config.seq} tokens" if config.seq else f"{config.batch} examples"
     clip = f"clip {config.max_grad_norm:g}" if config.max_grad_norm else "no clipping"
     return (
-        f"{config.spec} {start}; batch {rows}, AdamW lr {config.lr:g}, weight decay "
+        f"{config.spec} {start}\nbatch {rows}, AdamW lr {config.lr:g}, weight decay "
         f"{config.weight_decay:g}, {clip}, {config.dtype}, seed {config.seed}"
     )
 
@@ -64,7 +64,8 @@ def loss_curve_figure(train_losses: list[float], evaluations: list[dict], config
     axes.set_xlabel("step")
     axes.set_ylabel("cross-entropy (nats)")
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
-    axes.set_xlim(left=0)
+    last = max([len(train_losses), *(e["step"] for e in evaluations)])
+    axes.set_xlim(0, max(last, 1))
     top = axes.secondary_xaxis(
         "top", functions=(lambda step: step * per_step, lambda count: count / per_step)
     )
