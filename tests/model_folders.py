@@ -136,9 +136,14 @@ def write_gguf(path: Path, architecture: str, dims: dict[str, int]) -> None:
         writer.add_chat_template(LLAMA_CHAT_TEMPLATE)
 
     rng = np.random.default_rng(7)
-    shapes = {"token_embd.weight": (len(tokens), dims["hidden"]), "output_norm.weight": (dims["hidden"],)}
+    shapes = {
+        "token_embd.weight": (len(tokens), dims["hidden"]),
+        "output_norm.weight": (dims["hidden"],),
+    }
     for layer in range(dims["layers"]):
-        shapes |= {f"blk.{layer}.{name}": shape for name, shape in block_shapes(dims, gemma).items()}
+        shapes |= {
+            f"blk.{layer}.{name}": shape for name, shape in block_shapes(dims, gemma).items()
+        }
     for name, shape in shapes.items():
         if name.endswith("norm.weight"):  # a gain (for Gemma: 1 + w, as the converter stores it)
             weight = (1 + rng.standard_normal(shape) * 0.3).astype(np.float32)

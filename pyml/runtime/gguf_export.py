@@ -104,7 +104,15 @@ def export_gguf(model_dir: Path, out: Path, type_name: str = "f32", progress: bo
     except OSError as error:
         raise PymlError(f"{out}: cannot write: {error.strerror}") from None
     try:
-        _write(temporary, architecture, metadata, tensors, plan, file_type, out.name if progress else "")
+        _write(
+            temporary,
+            architecture,
+            metadata,
+            tensors,
+            plan,
+            file_type,
+            out.name if progress else "",
+        )
         os.replace(temporary, out)
     except OSError as error:
         raise PymlError(f"{out}: cannot write: {error.strerror}") from None
@@ -250,7 +258,11 @@ def _pre_tokenizer_name(path: Path, pre_tokenizer: dict | None) -> str:
 
 
 def _check_reads_back(
-    model_dir: Path, described: GGUFFile, architecture: Llama, config: dict, tokenizer: dict,
+    model_dir: Path,
+    described: GGUFFile,
+    architecture: Llama,
+    config: dict,
+    tokenizer: dict,
     settings: dict,
 ) -> None:
     """The metadata must read back, as the importer reads a file, as the folder's own files."""
@@ -289,7 +301,10 @@ def _check_reads_back(
 
 
 def _tensor_plan(
-    path: Path, tensors: dict[str, np.ndarray], architecture: Llama, config: dict,
+    path: Path,
+    tensors: dict[str, np.ndarray],
+    architecture: Llama,
+    config: dict,
     matrix_type: GGMLType,
 ) -> list[tuple[str, str, tuple[int, ...], GGMLType]]:
     """(GGUF name, Hugging Face name, shape, type) of every tensor, checked against the tensors
@@ -331,7 +346,9 @@ def gguf_weight(architecture: Llama, gguf_name: str, weight: np.ndarray) -> np.n
     """The value the GGUF stores for a Hugging Face tensor: the inverse of `hf_weight`."""
     within = gguf_name.split(".", 2)[-1]
     if architecture.name == "llama" and within in ("attn_q.weight", "attn_k.weight"):
-        heads = architecture.dims.n_heads if within == "attn_q.weight" else architecture.dims.n_kv_heads
+        heads = (
+            architecture.dims.n_heads if within == "attn_q.weight" else architecture.dims.n_kv_heads
+        )
         return permute_rotary_rows(weight, heads)
     if architecture.name == "gemma3" and gguf_name.endswith("norm.weight"):
         return weight + np.float32(1)

@@ -76,7 +76,9 @@ def loss_curve_figure(train_losses: list[float], evaluations: list[dict], config
     return figure
 
 
-def write_loss_curve(path: Path, train_losses: list[float], evaluations: list[dict], config) -> None:
+def write_loss_curve(
+    path: Path, train_losses: list[float], evaluations: list[dict], config
+) -> None:
     """Write the curve as a PNG at `path`, atomically."""
     figure = loss_curve_figure(train_losses, evaluations, config)
     try:

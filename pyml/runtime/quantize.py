@@ -32,9 +32,7 @@ def quantize(weight: np.ndarray, ggml_type: GGMLType) -> np.ndarray:
         return weight.astype(np.float16)
     values_per_block, bytes_per_block = BLOCK_LAYOUT[ggml_type]
     if weight.shape[-1] % values_per_block:
-        raise ValueError(
-            f"rows of {weight.shape[-1]} values are not whole {ggml_type.name} blocks"
-        )
+        raise ValueError(f"rows of {weight.shape[-1]} values are not whole {ggml_type.name} blocks")
     blocks = weight.reshape(-1, values_per_block)
     encoded = np.empty((len(blocks), bytes_per_block), np.uint8)
     # A chunk at a time, so that the temporaries stay in cache instead of streaming through memory.
