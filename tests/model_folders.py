@@ -13,8 +13,16 @@ import gguf
 import numpy as np
 
 from pyml.runtime.gguf_import import import_gguf
+from pyml.spec import load_spec
 
-LLAMA = {"hidden": 32, "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 8, "ffn": 64}
+# llama_tiny's dims, read from its spec so that the two never part.
+LLAMA_SPEC = load_spec(Path(__file__).resolve().parent.parent / "specs" / "llama_tiny.toml")
+LLAMA_ATTENTION = LLAMA_SPEC.block.attention
+LLAMA = {
+    "hidden": LLAMA_SPEC.embedding.dim, "layers": LLAMA_SPEC.block.count,
+    "heads": LLAMA_ATTENTION.n_heads, "kv_heads": LLAMA_ATTENTION.n_kv_heads,
+    "head_dim": LLAMA_ATTENTION.head_dim, "ffn": LLAMA_SPEC.block.mlp.hidden,
+}  # fmt: skip
 # Heads of 256, as Gemma 3's: llama.cpp scales the scores by head_dim ** -0.5, and transformers'
 # GGUF loader by 256 ** -0.5 whatever head_dim is (it leaves query_pre_attn_scalar at its default).
 GEMMA = {"hidden": 64, "layers": 6, "heads": 2, "kv_heads": 1, "head_dim": 256, "ffn": 96}
@@ -31,6 +39,7 @@ LLAMA_MERGES = [
     "Ġ s", "i s", "i t", "o u", "Ġ o", "Ġ w", "n d", "e d", "Ġ c", "a r", "a l", "Ġ f", "Ġ p", "l e",
 ]  # fmt: skip
 LLAMA_TOKENS = LLAMA_SPECIAL + LLAMA_SYMBOLS + [merge.replace(" ", "") for merge in LLAMA_MERGES]
+assert len(LLAMA_TOKENS) == LLAMA_SPEC.embedding.vocab_size
 LLAMA_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -121,8 +130,8 @@ def write_gguf(path: Path, architecture: str, dims: dict[str, int]) -> None:
     else:
         writer.add_vocab_size(len(tokens))
         writer.add_rope_dimension_count(dims["head_dim"])
-        writer.add_layer_norm_rms_eps(1e-5)
-        writer.add_rope_freq_base(10000.0)
+        writer.add_layer_norm_rms_eps(LLAMA_SPEC.final_norm.eps)
+        writer.add_rope_freq_base(LLAMA_ATTENTION.rope.theta)
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre("smollm")
         writer.add_token_types([3] * len(LLAMA_SPECIAL) + [1] * (len(tokens) - len(LLAMA_SPECIAL)))

@@ -17,8 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from model_folders import tiny_text
-from test_generated_decoder import rms_norm_in_input_dtype, rotary_in_float64
+from model_folders import LLAMA_ATTENTION, tiny_text
 
 from pyml.runtime import generate as generation
 from pyml.runtime.checkpoint import read_state
@@ -42,9 +41,23 @@ def pyml(*args: str) -> subprocess.CompletedProcess:
                           text=True, cwd=ROOT)  # fmt: skip
 
 
+def rms_norm_in_input_dtype(self, hidden):
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def rotary_in_float64(self, x, position_ids):
+    head_dim, theta = LLAMA_ATTENTION.head_dim, LLAMA_ATTENTION.rope.theta
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float64) / head_dim
+    angles = position_ids[..., None].to(torch.float64) * (1.0 / theta**exponents)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+
+
 def llama_in_float64(folder: Path, monkeypatch):
-    """transformers' LlamaForCausalLM of `folder` in float64 throughout: it computes RMSNorm and
-    the rotary tables in float32 whatever the model's dtype (tests/test_generated_decoder.py)."""
+    """transformers' LlamaForCausalLM of `folder` (llama_tiny's dims) in float64 throughout: it
+    computes RMSNorm and the rotary tables in float32 whatever the model's dtype, so those two run
+    in float64 here, as in tests/test_generated_decoder.py."""
     from transformers import AutoModelForCausalLM
     from transformers.models.llama import modeling_llama
 
