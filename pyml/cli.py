@@ -129,6 +129,22 @@ def import_gguf(
     print(f"wrote {written}")
 
 
+@app.command("export-gguf")
+@user_errors
+def export_gguf(
+    model_dir: Annotated[Path, typer.Argument(
+        help="A model folder: written by `pyml import-gguf`, or a checkpoint of a run started from one.")],
+    out: Annotated[Path, typer.Option(help="The GGUF file to write.")],
+    type_name: Annotated[str, typer.Option(
+        "--type", help="How the matrices are stored: f32, f16, q8_0, q4_0 or q4_1 (norms stay f32).")] = "f32",
+) -> None:
+    """Write a llama or gemma3 model folder as a GGUF for llama.cpp, ollama and transformers:
+    metadata, tokenizer, chat template and tensors as llama.cpp's converter writes them."""
+    from pyml.runtime.gguf_export import export_gguf as run_export
+
+    print(f"wrote {run_export(model_dir, out, type_name)}")
+
+
 @app.command()
 @user_errors
 def generate(

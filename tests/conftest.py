@@ -1,4 +1,6 @@
-"""What several test files share: the shipped Gemma 3 270M imported once per session.
+"""What several test files share, made once per session: the shipped models imported (Gemma 3
+270M about 20 s here), tiny imported models of both families, and the checkpoints and exports of
+the fine-tuning loop, since importing, training and writing them are the slow parts.
 
 pyml is imported first, before any test module imports torch or numpy: it puts its thread-pool
 settings (`pyml.THREAD_POOL_ENVIRONMENT`) in the environment, which the OpenMP and OpenBLAS pools
@@ -8,14 +10,91 @@ here (0.18 against 2.9 tokens/s for Gemma 3 270M), which only costs the suite ti
 
 import pyml  # noqa: F401  (first: see above)
 
+import importlib
+import os
+from pathlib import Path
+
 import pytest
 
-from pyml.runtime.gemma3_gguf import SPEC_NAME, shipped_gguf_path
-from pyml.runtime.gguf_import import import_gguf
+os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing from a hub
+
+ROOT = Path(__file__).resolve().parent.parent
+SPECS = ROOT / "specs"
 
 
 @pytest.fixture(scope="session")
-def gemma3_dir(tmp_path_factory):
-    """The folder `pyml import-gguf --shipped gemma3-270m` writes (about 20 s here)."""
-    return import_gguf(shipped_gguf_path(), tmp_path_factory.mktemp("gemma") / "gemma3-270m",
-                       progress=False, name=SPEC_NAME)
+def tiny_folders(tmp_path_factory) -> dict[str, Path]:
+    """{"llama": folder, "gemma3": folder}: tiny imported models of both families."""
+    from model_folders import tiny_folder
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {architecture: tiny_folder(root, architecture) for architecture in ("llama", "gemma3")}
+
+
+def shipped_folder(tmp_path_factory, module: str, folder: str) -> Path:
+    """The folder `pyml import-gguf --shipped` writes for the model of `pyml.runtime.<module>`."""
+    from pyml.errors import PymlError
+    from pyml.runtime.gguf_import import import_gguf
+
+    shipped = importlib.import_module(f"pyml.runtime.{module}")
+    try:
+        path = shipped.shipped_gguf_path()
+    except PymlError as error:
+        pytest.skip(str(error))
+    return import_gguf(path, tmp_path_factory.mktemp("shipped") / folder, progress=False,
+                       name=shipped.SPEC_NAME)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder(tmp_path_factory) -> Path:
+    return shipped_folder(tmp_path_factory, "smollm2_gguf", "smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir(tmp_path_factory) -> Path:
+    return shipped_folder(tmp_path_factory, "gemma3_gguf", "gemma3-270m")
+
+
+def one_step_checkpoint(tmp_path_factory, spec: str, init: Path) -> Path:
+    """The checkpoint of one training step (a batch of one 32-token sequence) from `init`, on a
+    few lines of text (tokenising the default corpus would take longer than the step)."""
+    pytest.importorskip(f"gen.{spec}", reason=f"gen/{spec} not generated: run `make gen`")
+    from model_folders import tiny_text
+
+    from pyml.runtime.train import train
+
+    folder = tmp_path_factory.mktemp(f"{spec}_run")
+    result = train(
+        SPECS / f"{spec}.toml", init=init, data=tiny_text(folder / "text.txt"), steps=1, batch=1,
+        seq=32, eval_every=1, eval_batches=1, out=folder / "run", progress=False,
+    )  # fmt: skip
+    return result.checkpoint
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint(tmp_path_factory, smollm2_folder) -> Path:
+    return one_step_checkpoint(tmp_path_factory, "smollm2_135m", smollm2_folder)
+
+
+@pytest.fixture(scope="session")
+def gemma3_checkpoint(tmp_path_factory, gemma3_dir) -> Path:
+    return one_step_checkpoint(tmp_path_factory, "gemma3_270m", gemma3_dir)
+
+
+def exported(tmp_path_factory, checkpoint: Path) -> Path:
+    from pyml.runtime.gguf_export import export_gguf
+
+    out = tmp_path_factory.mktemp("exported") / f"{checkpoint.parent.parent.name}.gguf"
+    return export_gguf(checkpoint, out, "f32", progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_export(tmp_path_factory, smollm2_checkpoint) -> Path:
+    """The fine-tuned SmolLM2's checkpoint as a GGUF, f32."""
+    return exported(tmp_path_factory, smollm2_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def gemma3_export(tmp_path_factory, gemma3_checkpoint) -> Path:
+    """The fine-tuned Gemma 3's checkpoint as a GGUF, f32."""
+    return exported(tmp_path_factory, gemma3_checkpoint)

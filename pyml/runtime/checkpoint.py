@@ -1,12 +1,14 @@
 """Training checkpoints: one folder per saved step, written whole or not at all.
 
-`out/step_000200/` holds model.safetensors (the weights, under the model's own tensor names),
-optimizer.safetensors (AdamW's exp_avg and exp_avg_sq as flat 1-D tensors) and state.json (the
-step, the optimizer's step count, the parameter layout those flat tensors follow, the data position
-and generator state, the losses so far and the run's configuration). A checkpoint is written into a
-hidden temporary folder and renamed into place, so any `step_*` folder is complete; the latest is
-the one with the highest step. Older ones are deleted only after a newer one is in place, so a
-crash never leaves a run without one.
+`out/step_000200/` is a model folder (`pyml.runtime.model_folder`: model.safetensors, spec.toml
+and, for a model trained from an imported one, its config.json, tokenizer and chat template), so
+`pyml generate`, `pyml export-gguf` and transformers read it as they read an imported model.
+Beside those it holds optimizer.safetensors (AdamW's exp_avg and exp_avg_sq as flat 1-D tensors)
+and state.json (the step, the optimizer's step count, the parameter layout those flat tensors
+follow, the data position and generator state, the losses so far and the run's configuration). A
+checkpoint is written into a hidden temporary folder and renamed into place, so any `step_*`
+folder is complete; the latest is the one with the highest step. Older ones are deleted only
+after a newer one is in place, so a crash never leaves a run without one.
 """
 
 from __future__ import annotations
@@ -19,10 +21,10 @@ from pathlib import Path
 import numpy as np
 
 from pyml.errors import PymlError
+from pyml.runtime.model_folder import MODEL_FILE, write_model_folder
 from pyml.runtime.safetensors_io import atomic_write, read_safetensors, write_safetensors
 
 CHECKPOINT_PREFIX = "step_"
-MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
 STATE_FILE = "state.json"
 OPTIMIZER_TENSORS = ("exp_avg", "exp_avg_sq")
@@ -50,10 +52,13 @@ def latest_checkpoint(out: Path) -> Path | None:
     return checkpoints[-1] if checkpoints else None
 
 
-def save_checkpoint(out: Path, model, optimizer, state: dict) -> Path:
+def save_checkpoint(
+    out: Path, model, optimizer, state: dict, model_files: dict[str, bytes] | None = None
+) -> Path:
     """Write the checkpoint of `state["step"]` into `out` and return its folder; then delete the
-    older checkpoints. A checkpoint already saved for that step is kept as it is (the same run at
-    the same step has the same weights, optimizer state and data position)."""
+    older checkpoints. `model_files` (name -> content) are the model folder's files beside the
+    weights (`model_folder.folder_files`). A checkpoint already saved for that step is kept as it
+    is (the same run at the same step has the same weights, optimizer state and data position)."""
     out = Path(out)
     final = out / checkpoint_name(state["step"])
     try:
@@ -62,7 +67,7 @@ def save_checkpoint(out: Path, model, optimizer, state: dict) -> Path:
             temporary = out / f".{final.name}.tmp"
             shutil.rmtree(temporary, ignore_errors=True)  # left by a run killed while saving
             temporary.mkdir()
-            model.to_safetensors(temporary / MODEL_FILE)
+            write_model_folder(temporary, model, model_files or {})
             optimizer_state = optimizer.state()
             write_safetensors(
                 temporary / OPTIMIZER_FILE,

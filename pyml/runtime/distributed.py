@@ -93,10 +93,10 @@ class SingleProcess:
     def train_step(self, package, model, optimizer, inputs, targets, stop) -> float:
         return package.train_step(model, optimizer, inputs, targets)
 
-    def save_checkpoint(self, out: Path, model, optimizer, state: dict) -> Path:
+    def save_checkpoint(self, out: Path, model, optimizer, state: dict, model_files=None) -> Path:
         from pyml.runtime.checkpoint import save_checkpoint
 
-        return save_checkpoint(out, model, optimizer, state)
+        return save_checkpoint(out, model, optimizer, state, model_files)
 
 
 class GatheredOptimizer:
@@ -175,7 +175,7 @@ class DataParallel:
         return sum(count * rank_loss for count, (rank_loss, _, _) in zip(counted, statuses)
                    if count) / total  # fmt: skip
 
-    def save_checkpoint(self, out: Path, model, optimizer, state: dict) -> Path:
+    def save_checkpoint(self, out: Path, model, optimizer, state: dict, model_files=None) -> Path:
         """Rank 0 writes the checkpoint (a sharded optimizer's state gathered first, with every
         rank's help); every rank learns whether it was written."""
         from pyml.runtime.checkpoint import checkpoint_name, save_checkpoint
@@ -188,7 +188,7 @@ class DataParallel:
         failure = None
         if self.is_root:
             try:
-                save_checkpoint(out, model, optimizer, state)
+                save_checkpoint(out, model, optimizer, state, model_files)
             except PymlError as error:
                 failure = str(error)
         (failure, *_) = world.allgather_objects(failure)

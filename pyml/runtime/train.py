@@ -45,7 +45,8 @@ from pyml.runtime.data import (
     start_id,
 )
 from pyml.runtime.distributed import SingleProcess
-from pyml.runtime.safetensors_io import atomic_write
+from pyml.runtime.loss_curve import write_loss_curve
+from pyml.runtime.model_folder import folder_files
 
 IGNORED_TARGET = -100  # the generated losses skip this target, as torch's cross_entropy does
 LOSS_CURVE_FILE = "loss.png"
@@ -169,7 +170,8 @@ def train(
     else:
         model = package.Model.initialized(seed=config.seed, **dtype_and_device)
     result = run_training(
-        package, model, train_pairs, held_out_pairs, config, Path(out), resume, progress, group
+        package, model, train_pairs, held_out_pairs, config, Path(out), resume, progress, group,
+        folder_files(spec_path, None if config.init is None else Path(config.init)),
     )
     print(describe_result(result, Path(out)))
     return result
@@ -185,13 +187,16 @@ def run_training(
     resume: bool = False,
     progress: bool = True,
     group=None,
+    model_files: dict[str, bytes] | None = None,
 ) -> TrainingResult:
     """Train `model` (a `package.Model`) on (inputs, targets) rows until step `config.steps`,
-    evaluating, checkpointing into `out` and writing `out/loss.png` as the config says. With
-    `resume`, first restore `out`'s latest checkpoint into the model, the optimizer and the data
-    order. Ctrl-C stops after the step in flight and saves it; a non-finite loss raises PymlError
-    and keeps the last checkpoint. `group` (default: one process) splits each batch across ranks;
-    only its root writes files and shows progress."""
+    evaluating (first before step 1, the baseline), checkpointing into `out` and writing
+    `out/loss.png` as the config says. With `resume`, first restore `out`'s latest checkpoint into
+    the model, the optimizer and the data order. Ctrl-C stops after the step in flight and saves
+    it; a non-finite loss raises PymlError and keeps the last checkpoint. `group` (default: one
+    process) splits each batch across ranks; only its root writes files and shows progress. Each
+    checkpoint is a model folder holding `model_files` (`model_folder.folder_files`) beside the
+    weights."""
     out = Path(out)
     group = group or SingleProcess()
     group.check_batch(config.batch)
@@ -234,9 +239,9 @@ def run_training(
             "train_losses": train_losses,
             "evaluations": evaluations,
         }
-        saved = group.save_checkpoint(out, model, optimizer, state)
+        saved = group.save_checkpoint(out, model, optimizer, state, model_files)
         if group.is_root:
-            write_loss_curve(out / LOSS_CURVE_FILE, train_losses, evaluations)
+            write_loss_curve(out / LOSS_CURVE_FILE, train_losses, evaluations, config)
         return saved
 
     examples_per_step = config.batch * (config.seq or 1)
@@ -249,6 +254,10 @@ def run_training(
              unit="step") as bar,
         stop_requested_by_ctrl_c(bar, group.stop_signals) as stop,
     ):
+        if step == 0 and group.is_root:
+            baseline = {"step": 0, **evaluate(model, held_out_pairs, config)}
+            evaluations.append(baseline)
+            bar.write(describe_evaluation(baseline))
         while step < config.steps:
             inputs, targets = batches.next_batch()
             started = time.perf_counter()
@@ -256,7 +265,7 @@ def run_training(
                 loss = group.train_step(package, model, optimizer, inputs, targets, stop)
             except PymlError as error:
                 if group.is_root:
-                    write_loss_curve(out / LOSS_CURVE_FILE, train_losses, evaluations)
+                    write_loss_curve(out / LOSS_CURVE_FILE, train_losses, evaluations, config)
                 # the same class: an error every rank agreed on stays one (GroupError)
                 raise type(error)(
                     f"training stopped at step {step + 1}: {error}; {last_good(checkpoint)}"
@@ -382,31 +391,6 @@ def describe_result(result: TrainingResult, out: Path) -> str:
     if result.interrupted:
         lines.append("continue with the same command and --resume")
     return "\n".join(lines)
-
-
-def write_loss_curve(path: Path, train_losses: list[float], evaluations: list[dict]) -> None:
-    """A PNG of the training loss per step and the held-out loss at each evaluation."""
-    from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global figure state
-
-    figure = Figure(figsize=(8, 4.5), layout="constrained")
-    axes = figure.add_subplot()
-    axes.plot(range(1, len(train_losses) + 1), train_losses, linewidth=0.8, label="train")
-    if evaluations:
-        axes.plot(
-            [e["step"] for e in evaluations],
-            [e["loss"] for e in evaluations],
-            marker="o",
-            label="held-out",
-        )
-    axes.set_xlabel("step")
-    axes.set_ylabel("cross-entropy (nats)")
-    axes.grid(alpha=0.3)
-    axes.legend()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)  # a run that fails before its first save
-        atomic_write(path, lambda handle: figure.savefig(handle, format="png", dpi=100))
-    except OSError as error:
-        raise PymlError(f"{path}: cannot write the loss curve: {error.strerror}") from None
 
 
 def import_generated(spec_name: str, spec_path: Path) -> ModuleType:

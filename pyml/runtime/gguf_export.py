@@ -1,0 +1,435 @@
+"""`pyml export-gguf`: a model folder written as a GGUF file that llama.cpp, ollama and
+transformers load.
+
+The folder is what `pyml import-gguf` writes and what every checkpoint of a run started from one
+holds (`pyml.runtime.model_folder`): a llama or gemma3 model. We write what llama.cpp's converter
+(convert_hf_to_gguf.py) writes for it, with the `gguf` package's writer:
+
+- the architecture's metadata from config.json, under the keys `gguf_architectures` reads;
+- the tokenizer from tokenizer.json and tokenizer_config.json: the tokens, their kinds, the BPE
+  merges (byte-level vocabularies) or the token scores (SentencePiece ones), the special token
+  ids, the flags that add BOS/EOS or a space in front, and the chat template;
+- the tensors under GGUF names, changed back as the converter changes them: llama's Q and K rows
+  reordered (its `permute`), Gemma's norm gains stored as 1 + w; 1-D tensors in float32 and the
+  others in the `--type` asked for (F16 where a row is no whole number of blocks, as there).
+
+Everything is checked before a byte is written, the strongest way we know: the metadata must read
+back, through the importer's own code (`architecture_of`, `build_tokenizer`), as the folder's
+config.json, generation_config.json, tokenizer.json and tokenizer_config.json, and the tensors
+must be those the config describes. A folder that fails is refused with one line; the file is
+written to a temporary name and renamed into place, so nothing is left half written.
+
+A SentencePiece vocabulary's scores are not in tokenizer.json, which holds the merges they rank.
+llama.cpp merges the pair that makes the highest-scoring token first, so we give each token the
+rank of the first merge that makes it, negated: the same order, hence the same tokens (for the
+shipped Gemma 3, the same order of all its normal tokens as the scores its converter wrote). Added
+tokens get -1000 and byte tokens 0, as the converter gives them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import gguf
+import numpy as np
+from tqdm import tqdm
+
+from pyml.errors import PymlError
+from pyml.runtime.gguf_architectures import Llama, architecture_of
+from pyml.runtime.gguf_read import GGUFFile
+from pyml.runtime.model_folder import MODEL_FILE
+from pyml.runtime.quant import BLOCK_LAYOUT, GGMLType, tensor_nbytes
+from pyml.runtime.quantize import quantize
+from pyml.runtime.safetensors_io import NEW_FILE_MODE, read_safetensors
+from pyml.runtime.tokenizer import (
+    CONTROL_TOKEN,
+    NORMAL_TOKEN,
+    USER_DEFINED_TOKEN,
+    build_tokenizer,
+    special_token_id,
+    tokenizer_config,
+)
+
+# --type -> the GGML type of the 2-D tensors, and general.file_type (llama.cpp's llama_ftype).
+EXPORT_TYPES = {
+    "f32": (GGMLType.F32, 0),
+    "f16": (GGMLType.F16, 1),
+    "q8_0": (GGMLType.Q8_0, 7),
+    "q4_0": (GGMLType.Q4_0, 2),
+    "q4_1": (GGMLType.Q4_1, 3),
+}
+# config.json's model_type -> the GGUF architecture.
+ARCHITECTURES = {"llama": "llama", "gemma3_text": "gemma3"}
+BYTE_TOKEN = 6  # llama.cpp's LLAMA_TOKEN_TYPE_BYTE: <0x00>..<0xFF> of a SentencePiece vocabulary
+ADDED_TOKEN_SCORE = -1000.0  # what the converter scores added (control, user-defined) tokens
+SPECIAL_TOKENS = {
+    "bos_token": "tokenizer.ggml.bos_token_id",
+    "eos_token": "tokenizer.ggml.eos_token_id",
+    "unk_token": "tokenizer.ggml.unknown_token_id",
+    "pad_token": "tokenizer.ggml.padding_token_id",
+}
+
+
+def export_gguf(model_dir: Path, out: Path, type_name: str = "f32", progress: bool = True) -> Path:
+    """Write the model in `model_dir` as a GGUF at `out`, its matrices as `type_name`."""
+    if type_name not in EXPORT_TYPES:
+        raise PymlError(
+            f"--type {type_name!r} is not one pyml writes (only {', '.join(EXPORT_TYPES)})"
+        )
+    matrix_type, file_type = EXPORT_TYPES[type_name]
+    model_dir, out = Path(model_dir), Path(out)
+    if out.is_dir():
+        raise PymlError(f"{out}: is a folder; give the GGUF file to write")
+    config = _read_json(model_dir / "config.json")
+    tokenizer = _read_json(model_dir / "tokenizer.json")
+    settings = _read_json(model_dir / "tokenizer_config.json")
+    metadata = architecture_metadata(model_dir, config) | tokenizer_metadata(
+        model_dir, tokenizer, settings
+    )
+    described = GGUFFile(path=model_dir, version=3, metadata=metadata, tensors={})
+    architecture = architecture_of(described)
+    _check_reads_back(model_dir, described, architecture, config, tokenizer, settings)
+    tensors = read_safetensors(model_dir / MODEL_FILE)
+    plan = _tensor_plan(model_dir / MODEL_FILE, tensors, architecture, config, matrix_type)
+
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        descriptor, temporary = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.",
+                                                 suffix=".tmp")  # fmt: skip
+        os.close(descriptor)
+        os.chmod(temporary, NEW_FILE_MODE)
+    except OSError as error:
+        raise PymlError(f"{out}: cannot write: {error.strerror}") from None
+    try:
+        _write(
+            temporary,
+            architecture,
+            metadata,
+            tensors,
+            plan,
+            file_type,
+            out.name if progress else "",
+        )
+        os.replace(temporary, out)
+    except OSError as error:
+        raise PymlError(f"{out}: cannot write: {error.strerror}") from None
+    finally:
+        Path(temporary).unlink(missing_ok=True)
+    return out
+
+
+# -- what the file says
+
+
+def architecture_metadata(model_dir: Path, config: dict) -> dict[str, object]:
+    """The `general.*` and `{architecture}.*` metadata of the model config.json describes."""
+    model_type = config.get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise PymlError(
+            f"{model_dir / 'config.json'}: model_type {model_type!r} cannot be exported to GGUF "
+            f"(only {', '.join(ARCHITECTURES)})"
+        )
+    name = ARCHITECTURES[model_type]
+
+    def value(key: str, kind: type):
+        found = config.get(key)
+        if type(found) is not kind:
+            raise PymlError(
+                f"{model_dir / 'config.json'}: {key} is {found!r}, not a {kind.__name__}"
+            )
+        # float32 in the file: what the importer reads back, as it reads a converted file
+        return float(np.float32(found)) if kind is float else found
+
+    head_dim = value("head_dim", int)
+    metadata: dict[str, object] = {
+        "general.architecture": name,
+        "general.type": "model",
+        "general.name": model_dir.resolve().name,
+        f"{name}.context_length": value("max_position_embeddings", int),
+        f"{name}.embedding_length": value("hidden_size", int),
+        f"{name}.block_count": value("num_hidden_layers", int),
+        f"{name}.feed_forward_length": value("intermediate_size", int),
+        f"{name}.attention.head_count": value("num_attention_heads", int),
+        f"{name}.attention.head_count_kv": value("num_key_value_heads", int),
+        f"{name}.attention.key_length": head_dim,
+        f"{name}.attention.value_length": head_dim,
+        f"{name}.attention.layer_norm_rms_epsilon": value("rms_norm_eps", float),
+        f"{name}.rope.freq_base": value("rope_theta", float),
+    }
+    if name == "llama":
+        metadata["llama.vocab_size"] = value("vocab_size", int)
+        metadata["llama.rope.dimension_count"] = head_dim
+    else:
+        metadata["gemma3.attention.sliding_window"] = value("sliding_window", int)
+    return metadata
+
+
+def tokenizer_metadata(model_dir: Path, described: dict, settings: dict) -> dict[str, object]:
+    """The `tokenizer.*` metadata of the folder's tokenizer.json (`described`) and
+    tokenizer_config.json (`settings`)."""
+    path = model_dir / "tokenizer.json"
+    model = described.get("model") or {}
+    if model.get("type") != "BPE":
+        raise PymlError(f"{path}: a {model.get('type')!r} tokenizer; only BPE ones are exported")
+    vocab = model.get("vocab") or {}
+    tokens = sorted(vocab, key=vocab.get)
+    if [vocab[token] for token in tokens] != list(range(len(tokens))):
+        raise PymlError(f"{path}: the vocabulary's ids are not 0, 1, 2, ... without gaps")
+    kinds = np.full(len(tokens), NORMAL_TOKEN, np.int32)
+    for added in described.get("added_tokens", []):
+        if not 0 <= added["id"] < len(tokens) or added["content"] != tokens[added["id"]]:
+            raise PymlError(f"{path}: added token {added['content']!r} is not token {added['id']}")
+        kinds[added["id"]] = CONTROL_TOKEN if added["special"] else USER_DEFINED_TOKEN
+    merges = [" ".join(m) if isinstance(m, list) else m for m in model.get("merges", [])]
+
+    metadata: dict[str, object] = {"tokenizer.ggml.tokens": tokens}
+    if model.get("byte_fallback"):  # SentencePiece, as `tokenizer.build_tokenizer` builds it
+        bytes_ = [vocab[f"<0x{byte:02X}>"] for byte in range(256) if f"<0x{byte:02X}>" in vocab]
+        kinds[bytes_] = BYTE_TOKEN
+        metadata |= {
+            "tokenizer.ggml.model": "llama",
+            "tokenizer.ggml.pre": "default",
+            "tokenizer.ggml.scores": _scores_from_merges(merges, vocab, kinds),
+            "tokenizer.ggml.add_space_prefix": _prepends_space(described.get("normalizer")),
+        }
+    else:
+        metadata |= {
+            "tokenizer.ggml.model": "gpt2",
+            "tokenizer.ggml.pre": _pre_tokenizer_name(path, described.get("pre_tokenizer")),
+            "tokenizer.ggml.merges": merges,
+            "tokenizer.ggml.add_space_prefix": False,
+        }
+    metadata["tokenizer.ggml.token_type"] = kinds
+    for name, key in SPECIAL_TOKENS.items():
+        if isinstance(settings.get(name), str):
+            if settings[name] not in vocab:
+                raise PymlError(f"{model_dir / 'tokenizer_config.json'}: {name} "
+                                f"{settings[name]!r} is not in the vocabulary")  # fmt: skip
+            metadata[key] = vocab[settings[name]]
+    for flag in ("add_bos_token", "add_eos_token"):
+        metadata[f"tokenizer.ggml.{flag}"] = bool(settings.get(flag, False))
+    if isinstance(settings.get("chat_template"), str):
+        metadata["tokenizer.chat_template"] = settings["chat_template"]
+    return metadata
+
+
+def _scores_from_merges(merges: list[str], vocab: dict[str, int], kinds: np.ndarray) -> np.ndarray:
+    """Scores that rank the normal tokens as the merges do (see the module docstring); the normal
+    tokens no merge makes (single characters) come after them all, in id order."""
+    scores = np.zeros(len(vocab), np.float32)
+    scores[(kinds == CONTROL_TOKEN) | (kinds == USER_DEFINED_TOKEN)] = ADDED_TOKEN_SCORE
+    ranked: dict[int, None] = {}
+    for merge in merges:
+        made = vocab.get(merge.replace(" ", "", 1))
+        if made is not None and kinds[made] == NORMAL_TOKEN:
+            ranked.setdefault(made)
+    unranked = [index for index in np.flatnonzero(kinds == NORMAL_TOKEN) if index not in ranked]
+    order = [*ranked, *unranked]
+    scores[order] = -np.arange(len(order), dtype=np.float32)
+    return scores
+
+
+def _prepends_space(normalizer: dict | None) -> bool:
+    """Whether the normalizer puts "▁" in front of each stretch of text (a Prepend, alone or in
+    a Sequence)."""
+    steps = (normalizer or {}).get("normalizers") or [normalizer or {}]
+    return any(step.get("type") == "Prepend" for step in steps)
+
+
+def _pre_tokenizer_name(path: Path, pre_tokenizer: dict | None) -> str:
+    """llama.cpp's name for the byte-level pre-tokenizer tokenizer.json uses."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import BPE
+
+    from pyml.runtime.tokenizer import _PRE_TOKENIZERS
+
+    for name, candidate in _PRE_TOKENIZERS.items():
+        probe = Tokenizer(BPE())
+        probe.pre_tokenizer = candidate
+        if json.loads(probe.to_str())["pre_tokenizer"] == pre_tokenizer:
+            return name
+    raise PymlError(f"{path}: its pre-tokenizer is none that llama.cpp names ({_PRE_TOKENIZERS})")
+
+
+# -- the checks
+
+
+def _check_reads_back(
+    model_dir: Path,
+    described: GGUFFile,
+    architecture: Llama,
+    config: dict,
+    tokenizer: dict,
+    settings: dict,
+) -> None:
+    """The metadata must read back, as the importer reads a file, as the folder's own files."""
+    tied = config.get("tie_word_embeddings") is True
+    ids = {
+        f"{name}_token_id": special_token_id(described, f"tokenizer.ggml.{key}_token_id")
+        for name, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"))
+    }
+    ids = {name: index for name, index in ids.items() if index is not None}
+    for key, expected in (architecture.hf_config(tied) | ids).items():
+        if config.get(key) != expected:
+            raise PymlError(
+                f"{model_dir / 'config.json'}: {key} is {config.get(key)!r}; a {architecture.name} "
+                f"GGUF says {expected!r} (llama.cpp cannot run this model as it is)"
+            )
+    generation = _read_json(model_dir / "generation_config.json")
+    if generation != ids:
+        raise PymlError(
+            f"{model_dir / 'generation_config.json'}: {generation} differs from tokenizer_config"
+            f".json's special tokens {ids}"
+        )
+    if tokenizer_config(described) != settings:
+        raise PymlError(
+            f"{model_dir / 'tokenizer_config.json'}: holds settings a GGUF cannot (only the special"
+            " tokens, add_bos_token, add_eos_token and chat_template)"
+        )
+    template = model_dir / "chat_template.jinja"
+    if template.is_file() and template.read_text(encoding="utf-8") != settings.get("chat_template"):
+        raise PymlError(f"{template}: differs from tokenizer_config.json's chat_template")
+    rebuilt = json.loads(build_tokenizer(described).to_str())
+    if rebuilt != tokenizer:
+        raise PymlError(
+            f"{model_dir / 'tokenizer.json'}: describes a tokenizer GGUF metadata cannot hold "
+            "(it reads back as another); only tokenizers `pyml import-gguf` writes are exported"
+        )
+
+
+def _tensor_plan(
+    path: Path,
+    tensors: dict[str, np.ndarray],
+    architecture: Llama,
+    config: dict,
+    matrix_type: GGMLType,
+) -> list[tuple[str, str, tuple[int, ...], GGMLType]]:
+    """(GGUF name, Hugging Face name, shape, type) of every tensor, checked against the tensors
+    of the folder's model.safetensors (at `path`)."""
+    tied = config.get("tie_word_embeddings") is True
+    expected = architecture.expected_shapes(tied)
+    hf_names = {architecture.hf_name(name): name for name in expected}
+    found = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
+    missing = [name for name in hf_names if name not in found]
+    if missing:
+        raise PymlError(f"{path}: lacks {_first_few(missing)}, which config.json's model has")
+    unexpected = [name for name in found if name not in hf_names]
+    if unexpected:
+        raise PymlError(
+            f"{path}: holds {_first_few(unexpected)}, which config.json's model does not have"
+        )
+    plan = []
+    for hf_name, name in hf_names.items():
+        if found[hf_name] != expected[name]:
+            raise PymlError(
+                f"{path}: tensor {hf_name} has shape {found[hf_name]}; config.json's model has "
+                f"{expected[name]} ({architecture.describe_dims()})"
+            )
+        values_per_block = BLOCK_LAYOUT[matrix_type][0]
+        if len(expected[name]) == 1:
+            kind = GGMLType.F32
+        elif expected[name][-1] % values_per_block:
+            kind = GGMLType.F16  # as the converter falls back when a row is no whole block
+        else:
+            kind = matrix_type
+        plan.append((name, hf_name, expected[name], kind))
+    return plan
+
+
+# -- writing
+
+
+def gguf_weight(architecture: Llama, gguf_name: str, weight: np.ndarray) -> np.ndarray:
+    """The value the GGUF stores for a Hugging Face tensor: the inverse of `hf_weight`."""
+    within = gguf_name.split(".", 2)[-1]
+    if architecture.name == "llama" and within in ("attn_q.weight", "attn_k.weight"):
+        heads = (
+            architecture.dims.n_heads if within == "attn_q.weight" else architecture.dims.n_kv_heads
+        )
+        return permute_rotary_rows(weight, heads)
+    if architecture.name == "gemma3" and gguf_name.endswith("norm.weight"):
+        return weight + np.float32(1)
+    return weight
+
+
+def permute_rotary_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's reordering of a Q or K projection's rows, so that it rotates neighbours:
+    w.reshape(n_heads, 2, d // 2, cols).swapaxes(1, 2), the inverse of
+    `gguf_architectures.unpermute_rotary_rows`."""
+    head_dim = weight.shape[0] // n_heads
+    return np.ascontiguousarray(
+        weight.reshape(n_heads, 2, head_dim // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def _write(path, architecture, metadata, tensors, plan, file_type, shown_name) -> None:
+    """The GGUF at `path`, one tensor encoded at a time (each source tensor is dropped once
+    written), with a progress bar naming `shown_name` unless it is empty."""
+    writer = gguf.GGUFWriter(path, architecture.name)
+    for key, value in metadata.items():
+        if key != "general.architecture":  # the writer adds it
+            _add(writer, key, value)
+    writer.add_file_type(file_type)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for name, _, shape, kind in plan:
+        # the shape in numpy order; with raw_dtype given, the writer takes it as it is
+        writer.add_tensor_info(name, shape, np.dtype(np.float32), tensor_nbytes(kind, shape),
+                               raw_dtype=gguf.GGMLQuantizationType(int(kind)))  # fmt: skip
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    with tqdm(plan, disable=not shown_name, unit="tensor", desc=f"writing {shown_name}") as bar:
+        for name, hf_name, _, kind in bar:
+            weight = np.asarray(tensors.pop(hf_name), dtype=np.float32)
+            writer.write_tensor_data(quantize(gguf_weight(architecture, name, weight), kind))
+    (handle,) = writer.fout
+    handle.flush()
+    os.fsync(handle.fileno())
+    writer.close()
+
+
+def _add(writer: gguf.GGUFWriter, key: str, value: object) -> None:
+    """One metadata entry, typed as the converter types it."""
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, np.ndarray):
+        writer.add_key_value(key, value.tolist(), gguf.GGUFValueType.ARRAY,
+                             sub_type=gguf.GGUFValueType.INT32 if value.dtype.kind == "i"
+                             else gguf.GGUFValueType.FLOAT32)  # fmt: skip
+    else:
+        writer.add_key_value(key, value, gguf.GGUFValueType.ARRAY,
+                             sub_type=gguf.GGUFValueType.STRING)  # fmt: skip
+
+
+# -- reading the folder
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise PymlError(
+            f"{path}: missing; export a folder written by `pyml import-gguf`, or a checkpoint of a "
+            "run started from one"
+        ) from None
+    except (OSError, ValueError) as error:
+        raise PymlError(f"{path}: not readable JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise PymlError(f"{path}: not a JSON object")
+    return value
+
+
+def _first_few(names: list[str]) -> str:
+    shown = ", ".join(names[:3])
+    return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")

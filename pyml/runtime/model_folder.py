@@ -1,0 +1,63 @@
+"""A model folder: the weights and what a reader needs beside them to run the model.
+
+`pyml import-gguf` writes one, and every training checkpoint is one: `pyml generate --model`,
+`pyml export-gguf` and transformers' `from_pretrained` read it. It holds
+
+    model.safetensors        the weights, under the model's tensor names (Hugging Face names for
+                             decoders, as the generated packages name them)
+    spec.toml                the pyml spec whose generated package runs the weights
+    config.json              the Hugging Face config (LlamaForCausalLM, Gemma3ForCausalLM, ...)
+    generation_config.json   the special token ids
+    tokenizer.json, tokenizer_config.json, chat_template.jinja (when the model has one)
+
+The last four describe the architecture and the tokenizer, which training does not change: a
+checkpoint copies them from the folder its run started from (`--init`). A model trained from
+fresh weights has no such folder (the digits MLP, which has no Hugging Face class either): its
+checkpoints hold model.safetensors and spec.toml.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pyml.errors import PymlError
+from pyml.runtime.safetensors_io import atomic_write
+
+MODEL_FILE = "model.safetensors"
+SPEC_FILE = "spec.toml"
+# What `pyml import-gguf` writes beside the weights and the spec, in the order it writes them.
+DESCRIPTION_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+)
+
+
+def folder_files(spec_path: Path, init: Path | None) -> dict[str, bytes]:
+    """The files a model folder of the spec at `spec_path`, trained from `init`, holds beside its
+    weights: the spec, and the description files `init` has when it is a folder."""
+    files = {SPEC_FILE: _read(Path(spec_path))}
+    if init is not None and Path(init).is_dir():
+        for name in DESCRIPTION_FILES:
+            if (Path(init) / name).is_file():
+                files[name] = _read(Path(init) / name)
+    return files
+
+
+def write_model_folder(folder: Path, model, files: dict[str, bytes]) -> None:
+    """Write `model`'s weights (a generated package's Model) and `files` (name -> content) into
+    `folder`, each file atomically."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.to_safetensors(folder / MODEL_FILE)
+    for name, content in files.items():
+        atomic_write(folder / name, lambda handle, content=content: handle.write(content))
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as error:
+        raise PymlError(f"{path}: cannot read: {error.strerror}") from None
