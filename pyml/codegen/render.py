@@ -23,6 +23,10 @@ HEADERS = {
 # CPU kinds whose kernels call the vectorizable exp, sum or max of `cpu/vector_math.py.j2`
 VECTOR_MATH_KINDS = {"attention", "cross_entropy", "rmsnorm", "silu", "swiglu"}
 VECTOR_MATH_IMPORTS = "from numba.extending import overload\n"
+# CPU kinds whose kernels call the quantized dot products (numba intrinsics in LLVM IR) of
+# `cpu/quantized_dot.py.j2`
+QUANTIZED_KINDS = {"quantized_linear"}
+QUANTIZED_IMPORTS = "from llvmlite import ir\nfrom numba.core import cgutils\nfrom numba.extending import intrinsic\n"
 
 ENVIRONMENT = jinja2.Environment(
     loader=jinja2.FileSystemLoader(TEMPLATES),
@@ -61,8 +65,13 @@ def render_kernel_module(target: str, blocks: list[tuple[str, dict]]) -> str:
     kinds = {kind for kind, _ in blocks}
     if target == "cuda" and "linear" in kinds:
         blocks = [("matmul", {}), *blocks]  # one tiled matmul serves every linear layer
+    if target == "cpu" and kinds & (VECTOR_MATH_KINDS | QUANTIZED_KINDS):
+        header = header.replace("njit, prange", "njit, prange, types")
+    if target == "cpu" and kinds & QUANTIZED_KINDS:
+        header += QUANTIZED_IMPORTS
+        blocks = [("quantized_dot", {}), *blocks]
     if target == "cpu" and kinds & VECTOR_MATH_KINDS:
-        header = header.replace("njit, prange", "njit, prange, types") + VECTOR_MATH_IMPORTS
+        header += VECTOR_MATH_IMPORTS
         blocks = [("vector_math", {}), *blocks]
     parts, first_prefixes = [header], {}
     for kind, context in blocks:
