@@ -50,10 +50,12 @@ def numba_openmp_pool_path() -> str | None:
 
 def bind_numba_openmp_pool() -> None:
     """Load numba's OpenMP pool so that it binds to the libgomp it links (see the module's doc).
-    If numba already started its threads, the file is loaded and bound: nothing changes."""
+    If numba already started its threads, the file is loaded and bound: nothing changes. Only
+    glibc has a global scope that a library loaded earlier can take over (macOS binds a library's
+    symbols to the libraries it links), and RTLD_DEEPBIND with it."""
     global numba_openmp_pool
     path = numba_openmp_pool_path()
-    if path is not None:
+    if path is not None and hasattr(os, "RTLD_DEEPBIND"):
         numba_openmp_pool = ctypes.CDLL(path, mode=os.RTLD_NOW | os.RTLD_DEEPBIND)
 
 
