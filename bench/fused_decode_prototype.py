@@ -436,15 +436,17 @@ def prototype_run(model: Prototype, ids, new_tokens, stop):
     return out, prefill, time.perf_counter() - started, last_prompt_logits
 
 
-def float32_logits(ids) -> np.ndarray:
-    """pyml's float32 path (the generated package) on the prompt: its last position's logits."""
+def float32_reference(ids, new_tokens, stop) -> tuple[np.ndarray, list[int]]:
+    """pyml's float32 path (the generated package, whose greedy tokens bench/generate.py checks
+    against transformers'): the logits of the prompt's last position, and the greedy tokens."""
+    from generate import ours_run
     from train_step import ensure_model
 
     from pyml.runtime import generate as generation
 
     model = generation.load_model(ensure_model(), ROOT / "specs" / "smollm2_135m.toml")
     _, logits = model.start_decoding(np.array([ids]), len(ids))
-    return logits[0]
+    return logits[0], ours_run(model, ids, new_tokens, stop)[0]
 
 
 def run_system(system: str, new_tokens: int, repeats: int, threads: int) -> dict:
@@ -471,9 +473,9 @@ def run_system(system: str, new_tokens: int, repeats: int, threads: int) -> dict
             runs.append((len(ids) / prefill, (len(out) - 1) / decode, 1e3 * decode / (len(out) - 1)))
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if system != "llamacpp":  # after the peak memory is read: the float32 model is larger
-        reference = float32_logits(ids)
+        reference, reference_tokens = float32_reference(ids, new_tokens, stop)
         extra["max_logit_difference_to_float32"] = float(np.max(np.abs(last_logits - reference)))
-        extra["float32_argmax_equal"] = int(np.argmax(reference)) == out[0]
+        extra["tokens_equal_to_float32"] = out == reference_tokens
     return {"prompt_tokens": len(ids), "tokens": out,
             "prefill_tokens_per_s": statistics.median(r[0] for r in runs),
             "decode_tokens_per_s": statistics.median(r[1] for r in runs),
@@ -481,32 +483,57 @@ def run_system(system: str, new_tokens: int, repeats: int, threads: int) -> dict
             "peak_rss_mib": peak_rss_mib, **extra}
 
 
+SYSTEMS = {"fork_join": "prototype, a parallel region per op",
+           "workers": "prototype, one region per token, barriers",
+           "llamacpp": "llama.cpp (llama-cpp-python 0.3.36)"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2, help="processes per system, in turn")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--spin-count", type=int)
-    parser.add_argument("--system", choices=["fork_join", "workers", "llamacpp"], help=argparse.SUPPRESS)
+    parser.add_argument("--system", choices=list(SYSTEMS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.system:
         print(json.dumps(run_system(args.system, args.new_tokens, args.repeats, args.threads)))
         return
-    systems = ["fork_join", "workers"] + (["llamacpp"] if importlib.util.find_spec("llama_cpp") else [])
-    results = {}
-    for system in systems:
-        environment = dict(START_ENVIRONMENT, NUMBA_NUM_THREADS=str(args.threads))
-        if system == "fork_join" and args.spin_count is not None:
-            environment["OMP_WAIT_POLICY"] = "ACTIVE"  # set: pyml leaves it, GOMP_SPINCOUNT rules
-            environment["GOMP_SPINCOUNT"] = str(args.spin_count)
-        child = subprocess.run([sys.executable, __file__, "--system", system, "--new-tokens",
-                                str(args.new_tokens), "--repeats", str(args.repeats),
-                                "--threads", str(args.threads)],
-                               env=environment, capture_output=True, text=True)
-        if child.returncode != 0:
-            raise SystemExit(f"error: the {system} run failed: {child.stderr.strip()[-2000:]}")
-        results[system] = json.loads(child.stdout.strip().splitlines()[-1])
-    print(json.dumps(results, indent=1))
+    systems = [name for name in SYSTEMS if name != "llamacpp" or importlib.util.find_spec("llama_cpp")]
+    runs = {system: [] for system in systems}
+    for _ in range(args.rounds):  # systems in turn, so that a change in the machine's load hits all
+        for system in systems:
+            environment = dict(START_ENVIRONMENT, NUMBA_NUM_THREADS=str(args.threads))
+            if system == "fork_join" and args.spin_count is not None:
+                environment["OMP_WAIT_POLICY"] = "ACTIVE"  # set: pyml leaves it, GOMP_SPINCOUNT rules
+                environment["GOMP_SPINCOUNT"] = str(args.spin_count)
+            child = subprocess.run([sys.executable, __file__, "--system", system, "--new-tokens",
+                                    str(args.new_tokens), "--repeats", str(args.repeats),
+                                    "--threads", str(args.threads)],
+                                   env=environment, capture_output=True, text=True)
+            if child.returncode != 0:
+                raise SystemExit(f"error: the {system} run failed: {child.stderr.strip()[-2000:]}")
+            runs[system].append(json.loads(child.stdout.strip().splitlines()[-1]))
+    print(f"SmolLM2-135M-Instruct, {runs[systems[0]][0]['prompt_tokens']} prompt tokens, "
+          f"{args.new_tokens} new tokens, greedy, {args.threads} thread(s), {args.rounds} processes "
+          f"per system x {args.repeats} timed runs"
+          + (f", GOMP_SPINCOUNT={args.spin_count} for the fork-join prototype" if args.spin_count is not None else ""))
+    print("\n| system | decode tokens/s (median) | best ms/token | prefill tokens/s | peak RSS MiB |")
+    print("| --- | --- | --- | --- | --- |")
+    for system, results in runs.items():
+        decode = statistics.median(r["decode_tokens_per_s"] for r in results)
+        best = min(min(r["decode_ms_per_token"]) for r in results)
+        prefill = statistics.median(r["prefill_tokens_per_s"] for r in results)
+        print(f"| {SYSTEMS[system]} | {decode:.1f} | {best:.2f} | {prefill:.1f} | "
+              f"{max(r['peak_rss_mib'] for r in results):.0f} |")
+    prototype = runs[systems[0]][0]
+    same = all(r["tokens"] == prototype["tokens"] for system in ("fork_join", "workers") for r in runs[system])
+    print(f"\nBoth prototypes' tokens identical: {same}; equal to pyml's float32 path's greedy tokens: "
+          f"{prototype['tokens_equal_to_float32']}; largest logit difference to it on the prompt's last "
+          f"position: {prototype['max_logit_difference_to_float32']:.2e}; quantized weights read per "
+          f"token: {prototype['weight_mib']:.0f} MiB.")
+    print(json.dumps(runs))
 
 
 if __name__ == "__main__":
