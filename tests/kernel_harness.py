@@ -2,9 +2,10 @@
 
 `load(target, blocks)` renders `blocks` (a list of (kind, context)) with the module header and
 imports it. The file goes to a fixed directory under the system temp dir, named by a hash of its
-source and written only when absent, so that Numba's `cache=True` (keyed on the file's path and
-mtime) makes a second test run skip compilation. CUDA modules must be loaded in a process that set
-NUMBA_ENABLE_CUDASIM=1 before numba.cuda was first imported: see tests/test_cuda_sim.py.
+source and of the shared modules it imports, and written only when absent, so that Numba's
+`cache=True` (keyed on the file's path and mtime) makes a second test run skip compilation. CUDA
+modules must be loaded in a process that set NUMBA_ENABLE_CUDASIM=1 before numba.cuda was first
+imported: see tests/test_cuda_sim.py.
 """
 
 from __future__ import annotations
@@ -15,42 +16,56 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pyml.codegen.render import render_kernel_module
+from pyml.codegen.manifest import shared_hash
+from pyml.codegen.render import SHARED_KERNEL_MODULES, render_kernel_module
 
 CACHE_DIR = Path(tempfile.gettempdir()) / "pyml-kernel-tests"
 
 # all kinds with small dims that are not multiples of any tile or block size
 DIMS = dict(dim=24, hidden=40, vocab=50, n_heads=4, n_kv_heads=2, head_dim=8, classes=37)
+# the options of the second variant of a kind (the first has the shipped models' values): RoPE
+# bases other than 10000 (issue 17: a hard-coded base must fail), an attention scale other than
+# 1/sqrt(head_dim) (Gemma's query_pre_attn_scalar), an embedding scale of sqrt(dim) (Gemma)
+ROPE_THETAS = {"rope": 50000.0, "rope_local": 10000.0}
+ATTENTION_SCALES = {"attn": 1.0 / DIMS["head_dim"] ** 0.5, "attn_scaled": 0.3}
+EMBEDDING_SCALES = {"tok": 1.0, "tok_scaled": DIMS["dim"] ** 0.5}
+NORM_EPS = {"norm": 1e-5, "norm_offset": 1e-6, "q_norm": 1e-6, "k_norm": 1e-6}
+UNIT_OFFSET = {"norm": False, "norm_offset": True, "q_norm": False, "k_norm": True}
 
 
 def all_blocks(target: str) -> list[tuple[str, dict]]:
     d = DIMS
+    heads = dict(n_heads=d["n_heads"], n_kv_heads=d["n_kv_heads"], head_dim=d["head_dim"])
     blocks = [
         ("linear", dict(p="fc_bias", in_features=d["dim"], out_features=d["hidden"], bias=True)),
         ("linear", dict(p="fc", in_features=d["dim"], out_features=d["hidden"], bias=False)),
-        ("embedding", dict(p="tok", vocab_size=d["vocab"], dim=d["dim"])),
-        ("rmsnorm", dict(p="norm", dim=d["dim"], eps=1e-5)),
-        ("rope", dict(p="rope", head_dim=d["head_dim"], theta=10000.0, max_seq_len=32)),
-        (
-            "attention",
-            dict(
-                p="attn", n_heads=d["n_heads"], n_kv_heads=d["n_kv_heads"], head_dim=d["head_dim"]
-            ),
-        ),
+        *[("embedding", dict(p=p, vocab_size=d["vocab"], dim=d["dim"], scale=scale))
+          for p, scale in EMBEDDING_SCALES.items()],
+        *[("rmsnorm", dict(p=p, dim=d["dim"], eps=NORM_EPS[p], unit_offset=UNIT_OFFSET[p]))
+          for p in ("norm", "norm_offset")],
+        # QK-norm: the query heads' without offset (Qwen3), the kv heads' with (Gemma 3)
+        *[("head_rmsnorm", dict(p=p, n_heads=n_heads, head_dim=d["head_dim"], eps=NORM_EPS[p],
+                                unit_offset=UNIT_OFFSET[p]))
+          for p, n_heads in (("q_norm", d["n_heads"]), ("k_norm", d["n_kv_heads"]))],
+        *[("rope", dict(p=p, head_dim=d["head_dim"], theta=theta, max_seq_len=32))
+          for p, theta in ROPE_THETAS.items()],
+        *[("attention", dict(p=p, **heads, scale=scale)) for p, scale in ATTENTION_SCALES.items()],
         ("swiglu", dict(p="mlp", dim=d["dim"], hidden=d["hidden"])),
+        ("geglu", dict(p="geglu", dim=d["dim"], hidden=d["hidden"])),
         ("silu", dict(p="silu")),
         ("gelu", dict(p="gelu")),
         ("relu", dict(p="relu")),
-        ("residual", dict(p="res")),
         ("cross_entropy", dict(p="ce", classes=d["classes"])),
-        ("adamw", dict(p="opt")),
     ]
     return blocks
 
 
 def load(target: str, blocks: list[tuple[str, dict]]):
     source = render_kernel_module(target, blocks)
-    name = f"kernels_{target}_{hashlib.sha256(source.encode()).hexdigest()[:16]}"
+    # the shared modules the header imports are part of the name: Numba's cache of a module whose
+    # own text did not change would otherwise keep what an edited shared module compiled to
+    key = source + shared_hash(SHARED_KERNEL_MODULES[target])
+    name = f"kernels_{target}_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     if name in sys.modules:
         return sys.modules[name]
     CACHE_DIR.mkdir(parents=True, exist_ok=True)

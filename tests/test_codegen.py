@@ -7,7 +7,7 @@ import pytest
 
 from pyml.codegen import render
 from pyml.codegen.lean_instances import split_statement, substitute
-from pyml.codegen.plan import KIND_LAWS, MODEL_LAWS
+from pyml.codegen.lower import KIND_LAWS, MODEL_LAWS, PIECE_LAWS
 from pyml.laws import load_law_index
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -15,7 +15,8 @@ LAWS = load_law_index(ROOT / "lean")
 
 
 def test_every_law_the_generator_relies_on_is_stated_in_lean():
-    relied_on = {law for laws in KIND_LAWS.values() for law in laws} | set(MODEL_LAWS)
+    relied_on = ({law for laws in KIND_LAWS.values() for law in laws} | set(MODEL_LAWS)
+                 | set(PIECE_LAWS))
     assert relied_on <= set(LAWS)
 
 
@@ -58,8 +59,9 @@ def kernel_calls(source: str, function: str) -> list[str]:
 def test_generated_backward_is_the_forward_reversed(package):
     """The composition law made literal: the backward calls the forward's layers in reverse."""
     source = (ROOT / "gen" / package / "model.py").read_text()
-    forward = [name for name in kernel_calls(source, "run_forward") if name != "residual"]
-    backward = [name for name in kernel_calls(source, "run_backward") if name != "residual"]
+    forward = kernel_calls(source, "run_forward")
+    # the loss's fused forward and backward opens the backward pass
+    backward = [name for name in kernel_calls(source, "run_loss_and_backward") if name != "loss"]
     assert forward and backward == forward[::-1]
 
 
@@ -68,9 +70,9 @@ def test_a_layer_with_the_dims_of_an_earlier_one_shares_its_kernels(target):
     """Same kind and dims: the later layer's names are bound to the earlier block's functions (its
     helpers stay private); other dims render a block of their own."""
     source = render.render_kernel_module(target, [
-        ("rmsnorm", {"p": "attn_norm", "dim": 24, "eps": 1e-5}),
-        ("rmsnorm", {"p": "mlp_norm", "dim": 24, "eps": 1e-5}),
-        ("rmsnorm", {"p": "wide_norm", "dim": 32, "eps": 1e-5}),
+        ("rmsnorm", {"p": "attn_norm", "dim": 24, "eps": 1e-5, "unit_offset": False}),
+        ("rmsnorm", {"p": "mlp_norm", "dim": 24, "eps": 1e-5, "unit_offset": False}),
+        ("rmsnorm", {"p": "wide_norm", "dim": 32, "eps": 1e-5, "unit_offset": False}),
     ])
     assert "def mlp_norm_" not in source
     bindings = re.findall(r"^mlp_norm_(\w+) = attn_norm_(\w+)$", source, re.MULTILINE)

@@ -16,6 +16,7 @@ from conformance_cases import (
     case_attention_backward,
     case_attention_forward_one_token,
     case_embedding,
+    case_frozen_linear,
     case_linear,
     case_relu_backward,
     case_residual,
@@ -36,11 +37,22 @@ def test_linear(seed, bias):
 
 
 @pytest.mark.parametrize("seed", SEEDS)
+def test_frozen_linear_with_lora_adapters(seed):
+    """a frozen linear map with LoRA adapters: forward == X Wᵀ plus, per adapter, smul 2 of
+    matMul (matMul X Aᵀ) Bᵀ (compose_adjoint's chain); dX == G W + dH A, dA == dHᵀ X, dB == 2 Gᵀ H
+    (laws linear_weight_adjoint_input and _weight, smul_adjoint); no gradient of W."""
+    case_frozen_linear(CPU, seed)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("config", CONFIGS)
-def test_embedding(config, seed):
+@pytest.mark.parametrize("scaled", [False, True])
+def test_embedding(config, seed, scaled):
     """embedding forward == gather E ids; backward == scatterAdd G ids (on a zeroed dtable, with
-    repeated ids) and vecAdd of it onto a non-zero dtable (Lean law embedding_adjoint)."""
-    case_embedding(CPU, config, seed)
+    repeated ids) and vecAdd of it onto a non-zero dtable (Lean law embedding_adjoint). Scaled by
+    an integer s (Gemma's scale): forward == hadamard (s 1) (gather E ids), backward ==
+    scatterAdd (hadamard (s 1) G) ids (laws hadamard_adjoint and embedding_adjoint, composed)."""
+    case_embedding(CPU, config, seed, scaled)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -67,13 +79,16 @@ def test_rope(config, seed):
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("config", CONFIGS)
-def test_attention_backward(config, seed):
+@pytest.mark.parametrize("window", [0, 2, 3])
+def test_attention_backward(config, seed, window):
     """attention backward with causal att of dyadic probabilities (multiples of 1/8, some rows
     one-hot): for O = P V, dP == matMul G (transpose V) (Lean law matmul_adjoint_left) and
     dV == Σ_group matMul (transpose P) G (matmul_adjoint_right); dS = hadamard P (dP - rowsum), the
     softmax backward (no Lean law, exact here); for S = scale Q Kᵀ, dQ == scale matMul dS K
-    (matmul_adjoint_left) and dK == Σ_group scale matMul (transpose dS) Q (matmul_adjoint_right)."""
-    case_attention_backward(CPU, config, seed)
+    (matmul_adjoint_left) and dK == Σ_group scale matMul (transpose dS) Q (matmul_adjoint_right).
+    The scale is 1/sqrt(head_dim) or another power of two; with a sliding window (2, 3) P is zero
+    outside it and the backward is given the window."""
+    case_attention_backward(CPU, config, seed, window)
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -119,6 +119,15 @@ def test_batches_cover_an_epoch_without_repeats_and_restore_exactly():
     assert (expected[0][1] == expected[0][0] * 10).all()
 
 
+def test_an_epoch_of_rows_a_whole_number_of_batches_is_used_up_exactly():
+    rows = np.arange(12)
+    batches = Batches((rows,), batch_size=4, seed=3)
+    first_epoch = np.concatenate([batches.next_batch()[0] for _ in range(3)])
+    assert sorted(first_epoch.tolist()) == rows.tolist() and batches.epoch == 0
+    batches.next_batch()
+    assert batches.epoch == 1
+
+
 def test_batches_larger_than_the_data_are_refused():
     with pytest.raises(PymlError, match="smaller --batch"):
         Batches((np.arange(4),), batch_size=5, seed=0)

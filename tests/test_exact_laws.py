@@ -100,6 +100,20 @@ def law_residual_adjoint(data):
 
 
 @given(st.data())
+def law_smul_adjoint(data):
+    n = data.draw(DIM)
+    c, g, v = data.draw(INTS), vec(data, n), vec(data, n)
+    assert X.dot(g, X.smul(c, v)) == X.dot(X.smul(c, g), v)
+
+
+@given(st.data())
+def law_bias_adjoint(data):
+    T, n = data.draw(DIM), data.draw(DIM)
+    G, b = mat(data, T, n), vec(data, n)
+    assert X.frob(G, X.broadcast(T, b)) == X.dot(X.col_sum(G), b)
+
+
+@given(st.data())
 def law_compose_adjoint(data):
     # f = A (k -> m) and h = B (n -> k): the adjoint of A∘B is Bᵀ∘Aᵀ
     m, k, n = data.draw(DIM), data.draw(DIM), data.draw(DIM)

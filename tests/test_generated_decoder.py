@@ -7,6 +7,8 @@ those two in float64 instead: the reference is then Llama's math in float64, whi
 float64 kernels claim to compute. Float32 runs transformers unchanged.
 """
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +17,12 @@ from transformers.models.llama import modeling_llama
 
 import gen.llama_tiny as tiny
 from gen.llama_tiny import model as tiny_model
+from pyml.spec import load_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+# read from the spec, not the generated package: a kernel that ignored the spec's theta would
+# otherwise agree with a reference built from its own constant
+ROPE_THETA = load_spec(ROOT / "specs" / "llama_tiny.toml").block.attention.rope.theta
 
 
 def tiny_config():
@@ -23,7 +31,7 @@ def tiny_config():
         num_hidden_layers=tiny_model.N_LAYERS, num_attention_heads=tiny_model.N_HEADS,
         num_key_value_heads=tiny_model.N_KV_HEADS, head_dim=tiny_model.HEAD_DIM,
         max_position_embeddings=tiny_model.MAX_SEQ_LEN, rms_norm_eps=1e-5,
-        rope_theta=10000.0, tie_word_embeddings=True,
+        rope_theta=ROPE_THETA, tie_word_embeddings=True,
     )
 
 
@@ -33,7 +41,7 @@ def rms_norm_in_input_dtype(self, hidden):
 
 
 def rotary_in_float64(self, x, position_ids):
-    head_dim, theta = tiny_model.HEAD_DIM, 10000.0
+    head_dim, theta = tiny_model.HEAD_DIM, ROPE_THETA
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float64) / head_dim
     freqs = position_ids[..., None].to(torch.float64) * (1.0 / theta**exponents)
     angles = torch.cat((freqs, freqs), dim=-1)
@@ -88,23 +96,59 @@ def test_loss_logits_and_gradients_match_transformers(dtype, rtol, monkeypatch):
             assert relative_error(grads[name], param.grad.numpy()) < rtol, name
 
 
-def test_ten_adamw_steps_track_torch(monkeypatch):
+# Gradient norms of llama_tiny's batches measured from its seed-0 weights: about 1.7-2.0 for
+# 12-token batches, 2.8-3.9 for 4-token ones. Alternating the two puts every other step on each
+# side of a 2.5 limit; the test asserts that it did.
+CLIP_LIMIT = 2.5
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, CLIP_LIMIT])
+def test_ten_adamw_steps_track_torch(max_grad_norm, monkeypatch):
+    """Ten steps against torch.optim.AdamW, and with a limit against torch.nn.utils.clip_grad_norm_
+    before each step: losses, final weights, and what the steps changed (to 1e-9 relative)."""
     ref = reference(torch.float64, monkeypatch)
     model = ours_like(ref, np.float64)
+    start = model.host_tensors()
     settings = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
-    ours = tiny.AdamW(model, **settings)
+    ours = tiny.AdamW(model, **settings, max_grad_norm=max_grad_norm)
     theirs = torch.optim.AdamW(ref.parameters(), **settings)
+    norms = []
     for step in range(10):
-        ids, targets = batch(seed=step)
+        ids, targets = batch(seed=step, T=12 if step % 2 == 0 else 4)
         theirs.zero_grad()
         _, loss = reference_loss(ref, ids, targets)
         loss.backward()
+        if max_grad_norm is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_grad_norm).item())
         theirs.step()
         assert tiny.train_step(model, ours, ids, targets) == pytest.approx(loss.item(), rel=1e-9)
+    if max_grad_norm is not None:
+        assert min(norms) < max_grad_norm < max(norms), norms  # clipped steps and unclipped ones
     tensors = model.host_tensors()
     for name, param in ref.named_parameters():
         if name != "lm_head.weight":
-            assert relative_error(tensors[name], param.detach().numpy()) < 1e-9, name
+            theirs_now = param.detach().numpy()
+            assert relative_error(tensors[name], theirs_now) < 1e-9, name
+            assert relative_error(tensors[name] - start[name], theirs_now - start[name]) < 1e-9, name
+
+
+def test_decoding_in_float64_equals_the_full_forward():
+    """The KV-cache path against the full forward pass on the same tokens, position by position,
+    for two sequences at once and from a one-token prompt: the same float64 math, so to 1e-12."""
+    rng = np.random.default_rng(3)
+    model = tiny.Model(dtype=np.float64)
+    # every weight distinct (a fresh initialisation sets every norm's to ones), so a step that
+    # reads the wrong layer's weight cannot agree by accident
+    model.load_tensors({name: rng.uniform(0.5, 1.5, t.shape) if t.ndim == 1 else rng.normal(0, 0.1, t.shape)
+                        for name, t in tiny.Model.initialized(seed=3).host_tensors().items()}, "test")
+    ids = rng.integers(0, tiny_model.VOCAB, (2, 40))
+    full = model.forward(ids)
+    for prompt in (1, 17):
+        cache, logits = model.start_decoding(ids[:, :prompt], ids.shape[1])
+        assert relative_error(logits, full[:, prompt - 1]) < 1e-12
+        for position in range(prompt, ids.shape[1]):
+            logits = model.decode(cache, ids[:, position])
+            assert relative_error(logits, full[:, position]) < 1e-12, position
 
 
 def test_bad_batches_are_user_errors():

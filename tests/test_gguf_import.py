@@ -4,12 +4,14 @@ Reference: Hugging Face transformers loading the same GGUF (`from_pretrained(dir
 an independent implementation of the format, the dequantisers and the Q/K un-permutation. Our
 imported weights must equal its tensors, and the directory we write must load in transformers and
 give the same logits. A tiny llama GGUF written here with the gguf package covers every tensor
-type we decode and every way the tensors can disagree with the metadata.
+type gguf can quantise (the K-quants, which it only decodes, are checked in test_quant.py) and every
+way the tensors can disagree with the metadata.
 """
 
 import itertools
 import json
 import os
+import tomllib
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing from a hub
@@ -24,12 +26,14 @@ from tokenizers import Tokenizer
 from tokenizers.pre_tokenizers import ByteLevel
 
 from pyml.errors import PymlError
-from pyml.runtime.gguf_import import import_gguf, load_gguf_tensors, unpermute_rotary_rows
+from pyml.runtime.gguf_architectures import unpermute_rotary_rows
+from pyml.runtime.gguf_import import import_gguf, load_gguf_tensors
 from pyml.runtime.gguf_read import read_gguf
 from pyml.runtime.safetensors_io import read_safetensors
 from pyml.runtime.smollm2_gguf import shipped_gguf_path
 
 GGMLType = gguf.GGMLQuantizationType
+ROOT = Path(__file__).parents[1]
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
@@ -120,6 +124,7 @@ def test_written_files(imported_dir):
         "config.json",
         "generation_config.json",
         "model.safetensors",
+        "spec.toml",
         "tokenizer.json",
         "tokenizer_config.json",
     ]
@@ -153,6 +158,16 @@ def test_written_files(imported_dir):
     tokenizer_config = json.loads((imported_dir / "tokenizer_config.json").read_text())
     assert tokenizer_config["chat_template"] == template
     assert Tokenizer.from_file(str(imported_dir / "tokenizer.json")).get_vocab_size() == 49152
+
+
+def test_written_spec_is_the_hand_written_smollm2_spec(imported_dir):
+    with open(imported_dir / "spec.toml", "rb") as handle:
+        written = tomllib.load(handle)
+    with open(ROOT / "specs" / "smollm2_135m.toml", "rb") as handle:
+        hand_written = tomllib.load(handle)
+    # The name comes from the folder; everything else from the GGUF's metadata.
+    assert written.pop("name") == "smollm2"
+    assert written == {key: value for key, value in hand_written.items() if key != "name"}
 
 
 def test_transformers_chat_prompt_from_the_directory_matches_the_gguf(imported_dir):
@@ -219,6 +234,8 @@ TINY_TOKENS = SPECIAL_TOKENS + sorted(ByteLevel.alphabet()) + ["Ġt", "he", "Ġt
 DECODED_TYPES = [
     GGMLType.Q4_0,
     GGMLType.Q4_1,
+    GGMLType.Q5_0,
+    GGMLType.Q5_1,
     GGMLType.Q8_0,
     GGMLType.F16,
     GGMLType.BF16,
@@ -421,12 +438,12 @@ def test_tensors_that_disagree_with_the_metadata_are_named(tmp_path, shapes, met
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("ggml_type", [GGMLType.Q5_0, GGMLType.Q5_1])
-def test_unsupported_tensor_type_is_named(tmp_path, ggml_type):
-    types = {name: GGMLType.F32 for name in tiny_hf_shapes()} | {"blk.0.ffn_up.weight": ggml_type}
-    write_tiny_llama_gguf(tmp_path / "q5.gguf", types=types)
-    with pytest.raises(PymlError, match=f"'blk.0.ffn_up.weight' has type {ggml_type.name}"):
-        import_gguf(tmp_path / "q5.gguf", tmp_path / "out", progress=False)
+def test_unsupported_tensor_type_is_named(tmp_path):
+    types = {name: GGMLType.F32 for name in tiny_hf_shapes()} | {"blk.0.ffn_up.weight": GGMLType.MXFP4}
+    write_tiny_llama_gguf(tmp_path / "mxfp4.gguf", types=types)
+    with pytest.raises(PymlError, match="'blk.0.ffn_up.weight' has type MXFP4"):
+        import_gguf(tmp_path / "mxfp4.gguf", tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
 
 
 def test_add_bos_flag_is_honoured_like_transformers(tmp_path):
@@ -445,3 +462,62 @@ def test_add_bos_flag_is_honoured_like_transformers(tmp_path):
             == reference(text)["input_ids"]
             == ours.encode(text).ids
         )
+
+
+# -- a tiny llama GGUF with a SentencePiece vocabulary (Llama 2, TinyLlama)
+
+SPM_PIECES = ["▁", "t", "h", "e", "a", "▁t", "he", "▁the", "▁a", "at", "▁at", "x", "▁x", "hat", "▁hat"]
+SPM_TOKENS = ["<unk>", "<s>", "</s>"] + [f"<0x{byte:02X}>" for byte in range(256)] + SPM_PIECES
+
+
+def write_tiny_sentencepiece_llama_gguf(path: Path) -> None:
+    """A tiny llama GGUF whose tokenizer is SentencePiece BPE ("llama"), stating neither
+    add_bos_token nor add_space_prefix, whose defaults (both true) then apply."""
+    writer = gguf.GGUFWriter(path, "llama")
+    counts = {
+        "block_count": TINY["layers"],
+        "context_length": 128,
+        "embedding_length": TINY["hidden"],
+        "feed_forward_length": TINY["ffn"],
+        "attention.head_count": TINY["heads"],
+        "attention.head_count_kv": TINY["kv_heads"],
+    }
+    for key, value in counts.items():
+        writer.add_uint32(f"llama.{key}", value)
+    writer.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-6)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(SPM_TOKENS)
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(SPM_PIECES))])
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(SPM_PIECES))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    shapes = tiny_hf_shapes() | {"token_embd.weight": (len(SPM_TOKENS), TINY["hidden"])}
+    for name, shape in shapes.items():
+        writer.add_tensor(name, np.full(shape, 0.01, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_sentencepiece_llama_tokenizer_matches_transformers(tmp_path):
+    """Against transformers' tokenizer for the same file, with two differences where we follow
+    llama.cpp (and SentencePiece's add_dummy_prefix): text that starts with a space gets the
+    prefix space all the same ("▁", "▁the" for " the"), and so does text after a special token;
+    transformers' Metaspace adds it only at the very start, and not before a space."""
+    from transformers import AutoTokenizer
+
+    write_tiny_sentencepiece_llama_gguf(tmp_path / "spm.gguf")
+    import_gguf(tmp_path / "spm.gguf", tmp_path / "out", progress=False)
+    ours = Tokenizer.from_file(str(tmp_path / "out" / "tokenizer.json"))
+    reference = transformers_tokenizer_from_gguf(tmp_path / "spm.gguf")
+    from_folder = AutoTokenizer.from_pretrained(tmp_path / "out")
+    for text in ("the hat", "that", "x  the", "é the", "", "ahat  x\n"):
+        expected = reference(text)["input_ids"]
+        assert ours.encode(text).ids == from_folder(text)["input_ids"] == expected, repr(text)
+        ids = ours.encode(text, add_special_tokens=False).ids
+        assert ours.decode(ids) == reference.decode(ids) == text
+    assert ours.encode(" the").tokens == ["<s>", "▁", "▁the"]
+    assert reference.convert_ids_to_tokens(reference(" the")["input_ids"]) == ["<s>", "▁the"]
+    assert ours.encode("the</s>the").tokens == ["<s>", "▁the", "</s>", "▁the"]

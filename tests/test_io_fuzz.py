@@ -1,8 +1,9 @@
 """Bad files give one PymlError line, quickly: never another exception, never a hang.
 
-GGUF: the real SmolLM2 file truncated at many offsets (inside the header and inside the tensor
-data), and its header corrupted field by field. The fields are located with the gguf package's
-own reader, independently of our parser. Safetensors: hand-made lies about the header length,
+GGUF: the real SmolLM2 and Gemma 3 files truncated at many offsets (inside the header and inside
+the tensor data), and their headers corrupted field by field (SmolLM2's also by hypothesis). The
+fields are located with the gguf package's own reader, independently of our parser; `pyml
+import-gguf` reports such files in one line, exits 2 and writes nothing. Safetensors: hand-made lies about the header length,
 offsets and sizes, and hypothesis mutations of valid files, checked against the safetensors library:
 whatever we accept, it must accept too and read the same bytes.
 """
@@ -11,6 +12,8 @@ import json
 import shutil
 import signal
 import struct
+import subprocess
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -22,7 +25,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pyml.errors import PymlError
-from pyml.runtime.gguf_import import check_llama_tensors, import_gguf, llama_dims
+from pyml.runtime.gguf_architectures import architecture_of
+from pyml.runtime.gguf_import import check_tensors, import_gguf
+from pyml.runtime import gemma3_gguf
 from pyml.runtime.gguf_read import read_gguf
 from pyml.runtime.safetensors_io import read_safetensors, write_safetensors
 from pyml.runtime.smollm2_gguf import shipped_gguf_path
@@ -50,7 +55,7 @@ def check_gguf(path: Path) -> None:
     against the dims, and the tokenizer."""
     with deadline():
         parsed = read_gguf(path)
-        check_llama_tensors(parsed, llama_dims(parsed))
+        check_tensors(parsed, architecture_of(parsed))
         build_tokenizer(parsed)
 
 
@@ -69,8 +74,12 @@ def real_gguf() -> Path:
 
 @pytest.fixture(scope="module")
 def layout(real_gguf):
-    """Where the header's fields lie in the real file, found by the gguf package's reader."""
-    reader = gguf.GGUFReader(real_gguf)
+    return layout_of(real_gguf)
+
+
+def layout_of(path: Path) -> "Layout":
+    """Where the header's fields lie in the file, found by the gguf package's reader."""
+    reader = gguf.GGUFReader(path)
     base = reader.data.ctypes.data
 
     def where(part: np.ndarray) -> tuple[int, int]:
@@ -140,11 +149,14 @@ def truncation_points(layout, size: int) -> list[int]:
 
 
 def test_truncated_anywhere_is_an_error(real_gguf, layout, scratch):
+    assert_truncations_are_errors(real_gguf, layout, scratch / "truncated.gguf")
+
+
+def assert_truncations_are_errors(real_gguf: Path, layout, path: Path) -> None:
     size = real_gguf.stat().st_size
     points = truncation_points(layout, size)
     assert len(points) > 150
     data = real_gguf.read_bytes()
-    path = scratch / "truncated.gguf"
     for length in points:
         path.write_bytes(data[:length])
         with pytest.raises(PymlError) as error:
@@ -256,7 +268,7 @@ HEADER_CORRUPTIONS = [
         u64(2**62),
         "runs past the end",
     ),
-    ("Q4_K tensor", lambda l: tensor_part(l, "blk.0.attn_q.weight", 4), u32(12), "has type Q4_K"),
+    ("IQ4_NL tensor", lambda l: tensor_part(l, "blk.0.attn_q.weight", 4), u32(20), "has type IQ4_NL"),
     (
         "unknown tensor type",
         lambda l: tensor_part(l, "blk.0.attn_q.weight", 4),
@@ -355,6 +367,160 @@ def test_any_header_byte_set_to_any_value(gguf_copy, layout, data, value):
             check_gguf(gguf_copy)
         except PymlError as error:
             assert_one_line_error(error, gguf_copy)
+
+
+# -- the Gemma 3 GGUF: a second architecture, a SentencePiece tokenizer and K-quants
+
+
+@pytest.fixture(scope="module")
+def gemma_gguf() -> Path:
+    return gemma3_gguf.shipped_gguf_path()
+
+
+@pytest.fixture(scope="module")
+def gemma_layout(gemma_gguf):
+    return layout_of(gemma_gguf)
+
+
+@pytest.fixture(scope="module")
+def gemma_copy(gemma_gguf, scratch) -> Path:
+    return Path(shutil.copyfile(gemma_gguf, scratch / "gemma.gguf"))
+
+
+def test_the_real_gemma_file_passes(gemma_copy):
+    check_gguf(gemma_copy)
+
+
+@pytest.mark.slow
+def test_truncated_gemma_anywhere_is_an_error(gemma_gguf, gemma_layout, scratch):
+    assert_truncations_are_errors(gemma_gguf, gemma_layout, scratch / "gemma_truncated.gguf")
+
+
+def f32(value: float) -> bytes:
+    return struct.pack("<f", value)
+
+
+GEMMA_HEADER_CORRUPTIONS = [
+    (
+        "architecture",
+        lambda l: field_part(l, "general.architecture", 4),
+        b"gemma4",
+        "architecture 'gemma4' is not supported",
+    ),
+    (
+        "block count",
+        lambda l: field_part(l, "gemma3.block_count", 3),
+        u32(19),
+        "gemma3.block_count is 19, but the file holds only 236 tensors",
+    ),
+    (
+        "fewer blocks",
+        lambda l: field_part(l, "gemma3.block_count", 3),
+        u32(17),
+        r"tensors 'blk.17.attn_k.weight'.* are not part of a gemma3 model with 17 layers",
+    ),
+    (
+        "head size",
+        lambda l: field_part(l, "gemma3.attention.key_length", 3),
+        u32(128),
+        "attention value length differs from the key length",
+    ),
+    (
+        "query heads",
+        lambda l: field_part(l, "gemma3.attention.head_count", 3),
+        u32(8),
+        r"'blk.0.attn_output.weight': expected shape \(640, 2048\), observed \(640, 1024\)",
+    ),
+    (
+        "no sliding window",
+        lambda l: field_part(l, "gemma3.attention.sliding_window", 3),
+        u32(0),
+        "gemma3.attention.sliding_window is 0, not a positive integer",
+    ),
+    (
+        "negative epsilon",
+        lambda l: field_part(l, "gemma3.attention.layer_norm_rms_epsilon", 3),
+        f32(-1.0),
+        "layer_norm_rms_epsilon is -1.0, not a positive number",
+    ),
+    (
+        "tokenizer model",
+        lambda l: field_part(l, "tokenizer.ggml.model", 4),
+        b"llamb",
+        "tokenizer model 'llamb' is not supported",
+    ),
+    (
+        "scores of another type",
+        lambda l: field_part(l, "tokenizer.ggml.scores", 3),
+        u32(5),  # int32: as many bytes per token as the float32 scores
+        "tokenizer.ggml.scores is not one number per token",
+    ),
+    (
+        "unknown token id",
+        lambda l: field_part(l, "tokenizer.ggml.unknown_token_id", 3),
+        u32(262144),
+        "tokenizer.ggml.unknown_token_id is 262144, not a token id below 262144",
+    ),
+    (
+        "K-quant rows",
+        lambda l: tensor_part(l, "blk.0.attn_output.weight", 3),
+        u64(1000),
+        "rows of 1000 values are not whole Q4_K blocks of 256",
+    ),
+    ("IQ2_XS tensor", lambda l: tensor_part(l, "blk.0.ffn_down.weight", 4), u32(17), "has type IQ2_XS"),
+]
+
+
+@pytest.mark.parametrize(
+    "where, replacement, message",
+    [case[1:] for case in GEMMA_HEADER_CORRUPTIONS],
+    ids=[case[0] for case in GEMMA_HEADER_CORRUPTIONS],
+)
+def test_corrupt_gemma_header_field_is_named(gemma_copy, gemma_layout, where, replacement, message):
+    with patched(gemma_copy, where(gemma_layout), replacement):
+        with pytest.raises(PymlError, match=message) as error:
+            check_gguf(gemma_copy)
+    assert_one_line_error(error.value, gemma_copy)
+
+
+def run_import_command(path: Path, out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pyml.cli", "import-gguf", str(path), "--out", str(out)],
+        capture_output=True, text=True, check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("truncated in the header", "truncated"),
+        ("truncated in the tensors", "runs past the end of the file"),
+        ("corrupt block count", "gemma3.block_count is 19"),
+        ("IQ2_XS tensor", "has type IQ2_XS, which pyml does not decode"),
+    ],
+)
+def test_bad_gemma_file_is_one_line_exit_2_and_nothing_written(
+    gemma_gguf, gemma_layout, tmp_path, damage, message
+):
+    data = bytearray(gemma_gguf.read_bytes())
+    if damage == "truncated in the header":
+        data = data[: gemma_layout["data_start"] // 2]
+    elif damage == "truncated in the tensors":
+        data = data[: len(data) - 1000]
+    elif damage == "corrupt block count":
+        where = field_part(gemma_layout, "gemma3.block_count", 3)
+        data[where : where + 4] = u32(19)
+    else:
+        where = tensor_part(gemma_layout, "blk.0.ffn_down.weight", 4)
+        data[where : where + 4] = u32(17)
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(data)
+    result = run_import_command(path, tmp_path / "out")
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    assert result.stderr.startswith(f"error: {path}: ") and result.stderr.count("\n") == 1
+    assert message in result.stderr
+    assert not (tmp_path / "out").exists()
 
 
 # -- safetensors

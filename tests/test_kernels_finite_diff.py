@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kernel_harness import DIMS, all_blocks, load
+from kernel_harness import ATTENTION_SCALES, DIMS, all_blocks, load
 
 D, HIDDEN = DIMS["dim"], DIMS["hidden"]
 H, KV, HD, C = DIMS["n_heads"], DIMS["n_kv_heads"], DIMS["head_dim"], DIMS["classes"]
@@ -32,18 +32,46 @@ def check(loss, inputs, grads, rng):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_rmsnorm(k, seed):
+@pytest.mark.parametrize("prefix", ["norm", "norm_offset"])  # gain w, gain 1 + w
+def test_rmsnorm(k, seed, prefix):
+    forward, backward = getattr(k, f"{prefix}_forward"), getattr(k, f"{prefix}_backward")
     rng = np.random.default_rng(seed)
     x, w, c = rng.standard_normal((5, D)), rng.standard_normal(D), rng.standard_normal((5, D))
 
     def loss(x, w):
         y, rstd = np.empty_like(x), np.empty(x.shape[0])
-        k.norm_forward(x, w, y, rstd)
+        forward(x, w, y, rstd)
         return float(np.sum(c * y))
 
     y, rstd, dx, dw = np.empty_like(x), np.empty(5), np.empty_like(x), np.empty_like(w)
-    k.norm_forward(x, w, y, rstd)
-    k.norm_backward(x, w, rstd, c, dx, dw)
+    forward(x, w, y, rstd)
+    backward(x, w, rstd, c, dx, dw)
+    check(loss, [x, w], [dx, dw], rng)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize(("prefix", "heads"), [("q_norm", H), ("k_norm", KV)])
+def test_head_rmsnorm(k, seed, prefix, heads):
+    # on strided views (every other head of a wider buffer), as the fused q/k/v buffer gives them
+    forward, backward = getattr(k, f"{prefix}_forward"), getattr(k, f"{prefix}_backward")
+    rng = np.random.default_rng(seed)
+    x, c = rng.standard_normal((5, heads, HD)), rng.standard_normal((5, heads, HD))
+    w = rng.standard_normal(HD)
+
+    def strided(a):
+        wide = np.zeros((a.shape[0], 2 * heads, HD))
+        wide[:, ::2] = a
+        return wide[:, ::2]
+
+    def loss(x, w):
+        y, rstd = strided(np.empty_like(x)), np.empty((x.shape[0], heads))
+        forward(strided(x), w, y, rstd)
+        return float(np.sum(c * y))
+
+    y, dx = strided(np.empty_like(x)), strided(np.empty_like(x))
+    rstd, dw = np.empty((5, heads)), np.empty_like(w)
+    forward(strided(x), w, y, rstd)
+    backward(strided(x), w, rstd, strided(c), dx, dw)
     check(loss, [x, w], [dx, dw], rng)
 
 
@@ -63,22 +91,26 @@ def test_activation(k, kind):
     check(loss, [x], [dx], rng)
 
 
-def test_swiglu(k):
+@pytest.mark.parametrize("prefix", ["mlp", "geglu"])  # SwiGLU, GeGLU
+def test_gated_mlp(k, prefix):
+    forward, backward = getattr(k, f"{prefix}_forward"), getattr(k, f"{prefix}_backward")
     rng = np.random.default_rng(1)
     gate_up, c = rng.standard_normal((4, 2 * HIDDEN)) * 3, rng.standard_normal((4, HIDDEN)) * 3
 
     def loss(gate_up):
         h = np.empty_like(c)
-        k.mlp_forward(gate_up, h)
+        forward(gate_up, h)
         return float(np.sum(c * h))
 
     dgate_up = np.empty_like(gate_up)
-    k.mlp_backward(gate_up, c, dgate_up)
+    backward(gate_up, c, dgate_up)
     check(loss, [gate_up], [dgate_up], rng)
 
 
-@pytest.mark.parametrize("seq", [1, 6])
-def test_attention(k, seq):
+@pytest.mark.parametrize(("seq", "window"), [(1, 0), (6, 0), (6, 2), (6, 6)])
+@pytest.mark.parametrize("prefix", ATTENTION_SCALES)
+def test_attention(k, seq, window, prefix):
+    forward, backward = getattr(k, f"{prefix}_forward"), getattr(k, f"{prefix}_backward")
     rng = np.random.default_rng(seq)
     q, kk, v = (
         rng.standard_normal((2, seq, H, HD)),
@@ -89,13 +121,13 @@ def test_attention(k, seq):
 
     def loss(q, kk, v):
         att, out = np.empty((2, H, seq, seq)), np.empty((2, seq, H * HD))
-        k.attn_forward(q, kk, v, att, out)
+        forward(q, kk, v, att, out, window)
         return float(np.sum(c * out))
 
     att, out = np.empty((2, H, seq, seq)), np.empty((2, seq, H * HD))
     dq, dk, dv = np.empty_like(q), np.empty_like(kk), np.empty_like(v)
-    k.attn_forward(q, kk, v, att, out)
-    k.attn_backward(q, kk, v, att, c, dq, dk, dv)
+    forward(q, kk, v, att, out, window)
+    backward(q, kk, v, att, c, dq, dk, dv, window)
     check(loss, [q, kk, v], [dq, dk, dv], rng)
 
 

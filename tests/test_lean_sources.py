@@ -8,7 +8,7 @@ FORBIDDEN = re.compile(r"\b(sorry|admit|axiom)\b")
 EXPECTED_LAWS = {
     "linear_input_adjoint", "linear_weight_adjoint_input", "linear_weight_adjoint_weight",
     "matmul_adjoint_left", "matmul_adjoint_right", "embedding_adjoint", "hadamard_adjoint",
-    "residual_adjoint", "compose_adjoint", "rotation_adjoint",
+    "residual_adjoint", "compose_adjoint", "rotation_adjoint", "smul_adjoint", "bias_adjoint",
     "chain_append_forward", "chain_adjoint", "chain_transposed_forward", "layer_param_grad_adjoint",
 }
 

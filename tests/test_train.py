@@ -84,10 +84,20 @@ def test_ctrl_c_saves_the_step_in_flight_and_resume_continues(tiny_text, tmp_pat
         return llama.train_step(model, optimizer, inputs, targets)
 
     interrupting = SimpleNamespace(AdamW=llama.AdamW, train_step=train_step_with_ctrl_c)
-    stopped, _ = train_tiny(tiny_text, tmp_path / "run", config(steps=6), package=interrupting)
+    # the handler in place before the run must be back after it. A handler of the test's own, not
+    # whatever pytest started with (default_int_handler, or SIG_IGN when started in the background
+    # or under nohup), so that restoring some fixed handler instead fails too.
+    def handler_before_the_run(signum, frame):
+        raise KeyboardInterrupt
+
+    outside = signal.signal(signal.SIGINT, handler_before_the_run)
+    try:
+        stopped, _ = train_tiny(tiny_text, tmp_path / "run", config(steps=6), package=interrupting)
+        assert signal.getsignal(signal.SIGINT) is handler_before_the_run
+    finally:
+        signal.signal(signal.SIGINT, outside)
     assert stopped.interrupted and stopped.step == 4
     assert latest_checkpoint(tmp_path / "run") == tmp_path / "run" / "step_000004"
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
     resumed, _ = train_tiny(tiny_text, tmp_path / "run", config(steps=6), resume=True)
     straight, _ = train_tiny(tiny_text, tmp_path / "straight", config(steps=6))
@@ -149,6 +159,33 @@ def test_digits_held_out_accuracy_is_computed_on_held_out_images(tmp_path):
     model = mlp.Model.from_safetensors(result.checkpoint / "model.safetensors")
     predicted = model.forward(held_out_images).argmax(axis=1)
     assert result.evaluations[0]["accuracy"] == (predicted == held_out_labels).mean()
+
+
+def test_held_out_loss_is_torch_cross_entropy_of_the_logits():
+    """`evaluate` against torch's cross_entropy (ignore_index -100) on the model's own logits: a
+    decoder over its first eval_batches batches, a classifier over every example."""
+    import torch
+
+    from pyml.runtime.train import evaluate
+
+    rng = np.random.default_rng(0)
+    decoder = llama.Model.initialized(seed=0, dtype=np.float64)
+    decoder.params.flat[:] *= 20.0  # logits far from uniform
+    vocab = llama.model.VOCAB
+    inputs, targets = rng.integers(0, vocab, (6, 8)), rng.integers(0, vocab, (6, 8))
+    targets[1, 2:5] = -100
+    evaluation = evaluate(decoder, (inputs, targets), config(batch=2, eval_batches=2, seq=8))
+    logits = torch.from_numpy(decoder.forward(inputs[:4])).reshape(-1, vocab)
+    expected = torch.nn.functional.cross_entropy(logits, torch.from_numpy(targets[:4]).reshape(-1))
+    assert evaluation == {"loss": pytest.approx(expected.item(), rel=1e-12)}
+
+    classifier = mlp.Model.initialized(seed=0, dtype=np.float64)
+    images, labels = rng.standard_normal((20, mlp.model.INPUT_DIM)) * 4.0, rng.integers(0, 10, 20)
+    evaluation = evaluate(classifier, (images, labels), config(spec="mlp_digits", seq=None))
+    logits = torch.from_numpy(classifier.forward(images))
+    expected = torch.nn.functional.cross_entropy(logits, torch.from_numpy(labels))
+    assert evaluation["loss"] == pytest.approx(expected.item(), rel=1e-12)
+    assert evaluation["accuracy"] == (logits.argmax(1).numpy() == labels).mean()
 
 
 @pytest.mark.parametrize(

@@ -6,11 +6,9 @@ open PyML
 
 /-! ## The skeleton: it type-checks only where every junction's dims agree. -/
 
-/-- One decoder block: the residual attention (value) path, then the residual SwiGLU path
-(the gate acts on the up projection as an element-wise gain). -/
+/-- One decoder block: its layers' value path, composed as the spec composes them. -/
 def block : Chain 32 32 :=
-  .residual (.layer (Layer.gain 32) (.layer (Layer.dense 32 16) (.layer (Layer.dense 16 32) (.layer (Layer.dense 32 32) .nil))))
-    (.residual (.layer (Layer.gain 32) (.layer (Layer.dense 32 64) (.layer (Layer.gain 64) (.layer (Layer.dense 64 32) .nil)))) .nil)
+  .residual (.layer (Layer.gain 32) (.layer (Layer.dense 32 16) (.layer (Layer.dense 16 32) (.layer (Layer.dense 32 32) .nil)))) (.residual (.layer (Layer.gain 32) (.layer (Layer.dense 32 64) (.layer (Layer.gain 64) (.layer (Layer.dense 64 32) .nil)))) .nil)
 
 /-- `n` blocks, each with its own weights in the model, composed with `Chain.append`. -/
 def blocks : Nat → Chain 32 32
@@ -36,107 +34,112 @@ theorem embed_embedding_adjoint {T : Nat} (G : Mat T 32) (E : Mat 96 32) (ids : 
     frob G (gather E ids) = frob (scatterAdd G ids) E :=
   embedding_adjoint G E ids
 
--- attn_norm: the RMSNorm weight, an element-wise gain
-theorem attn_norm_hadamard_adjoint (g a b : Vec 32) :
+-- input_layernorm: the RMSNorm gain w, element-wise
+theorem input_layernorm_hadamard_adjoint (g a b : Vec 32) :
     dot g (hadamard a b) = dot (hadamard g b) a :=
   hadamard_adjoint g a b
 
--- qkv_proj: linear 32 -> 64
-theorem qkv_proj_linear_input_adjoint (W : Mat 64 32) (g : Vec 64) (v : Vec 32) :
+-- self_attn_qkv: linear 32 -> 64
+theorem self_attn_qkv_linear_input_adjoint (W : Mat 64 32) (g : Vec 64) (v : Vec 32) :
     dot g (matVec W v) = dot (matTVec W g) v :=
   linear_input_adjoint W g v
 
-theorem qkv_proj_linear_weight_adjoint_input {T : Nat} (G : Mat T 64) (X : Mat T 32) (W : Mat 64 32) :
+theorem self_attn_qkv_linear_weight_adjoint_input {T : Nat} (G : Mat T 64) (X : Mat T 32) (W : Mat 64 32) :
     frob G (matMul X (transpose W)) = frob (matMul G W) X :=
   linear_weight_adjoint_input G X W
 
-theorem qkv_proj_linear_weight_adjoint_weight {T : Nat} (G : Mat T 64) (X : Mat T 32) (W : Mat 64 32) :
+theorem self_attn_qkv_linear_weight_adjoint_weight {T : Nat} (G : Mat T 64) (X : Mat T 32) (W : Mat 64 32) :
     frob G (matMul X (transpose W)) = frob (matMul (transpose G) X) W :=
   linear_weight_adjoint_weight G X W
 
--- rope: rotation of the two halves of a 8-dim head
-theorem rope_rotation_adjoint (c s g₁ g₂ x₁ x₂ : Vec 4) :
+-- self_attn_rope: rotation of the two halves of a 8-dim head
+theorem self_attn_rope_rotation_adjoint (c s g₁ g₂ x₁ x₂ : Vec 4) :
     dot g₁ (rotate c s x₁ x₂).1 + dot g₂ (rotate c s x₁ x₂).2 = dot (rotateT c s g₁ g₂).1 x₁ + dot (rotateT c s g₁ g₂).2 x₂ :=
   rotation_adjoint c s g₁ g₂ x₁ x₂
 
--- attention scores Q Kᵀ, per head: (T x 8) ((8 x T))
-theorem attention_scores_matmul_adjoint_left {m n : Nat} (G : Mat m n) (A : Mat m 8) (B : Mat 8 n) :
+-- self_attn scores Q Kᵀ, per head: (T x 8) (8 x T)
+theorem self_attn_scores_matmul_adjoint_left {m n : Nat} (G : Mat m n) (A : Mat m 8) (B : Mat 8 n) :
     frob G (matMul A B) = frob (matMul G (transpose B)) A :=
   matmul_adjoint_left G A B
 
-theorem attention_scores_matmul_adjoint_right {m n : Nat} (G : Mat m n) (A : Mat m 8) (B : Mat 8 n) :
+theorem self_attn_scores_matmul_adjoint_right {m n : Nat} (G : Mat m n) (A : Mat m 8) (B : Mat 8 n) :
     frob G (matMul A B) = frob (matMul (transpose A) G) B :=
   matmul_adjoint_right G A B
 
--- attention output P V, per head: (T x T) (T x 8)
-theorem attention_values_matmul_adjoint_left {m k : Nat} (G : Mat m 8) (A : Mat m k) (B : Mat k 8) :
+-- self_attn scores scaled by 0.35355339059327373 before the softmax
+theorem self_attn_scores_smul_adjoint {n : Nat} (c : Int) (g v : Vec n) :
+    dot g (smul c v) = dot (smul c g) v :=
+  smul_adjoint c g v
+
+-- self_attn output P V, per head: (T x T) (T x 8)
+theorem self_attn_values_matmul_adjoint_left {m k : Nat} (G : Mat m 8) (A : Mat m k) (B : Mat k 8) :
     frob G (matMul A B) = frob (matMul G (transpose B)) A :=
   matmul_adjoint_left G A B
 
-theorem attention_values_matmul_adjoint_right {m k : Nat} (G : Mat m 8) (A : Mat m k) (B : Mat k 8) :
+theorem self_attn_values_matmul_adjoint_right {m k : Nat} (G : Mat m 8) (A : Mat m k) (B : Mat k 8) :
     frob G (matMul A B) = frob (matMul (transpose A) G) B :=
   matmul_adjoint_right G A B
 
--- o_proj: linear 32 -> 32
-theorem o_proj_linear_input_adjoint (W : Mat 32 32) (g : Vec 32) (v : Vec 32) :
+-- self_attn_o: linear 32 -> 32
+theorem self_attn_o_linear_input_adjoint (W : Mat 32 32) (g : Vec 32) (v : Vec 32) :
     dot g (matVec W v) = dot (matTVec W g) v :=
   linear_input_adjoint W g v
 
-theorem o_proj_linear_weight_adjoint_input {T : Nat} (G : Mat T 32) (X : Mat T 32) (W : Mat 32 32) :
+theorem self_attn_o_linear_weight_adjoint_input {T : Nat} (G : Mat T 32) (X : Mat T 32) (W : Mat 32 32) :
     frob G (matMul X (transpose W)) = frob (matMul G W) X :=
   linear_weight_adjoint_input G X W
 
-theorem o_proj_linear_weight_adjoint_weight {T : Nat} (G : Mat T 32) (X : Mat T 32) (W : Mat 32 32) :
+theorem self_attn_o_linear_weight_adjoint_weight {T : Nat} (G : Mat T 32) (X : Mat T 32) (W : Mat 32 32) :
     frob G (matMul X (transpose W)) = frob (matMul (transpose G) X) W :=
   linear_weight_adjoint_weight G X W
 
--- attention residual
-theorem attn_residual_residual_adjoint {f : Vec 32 → Vec 32} {fT : Vec 32 → Vec 32} (hf : IsAdjoint f fT) :
+-- residual0: x + body(x)
+theorem residual0_residual_adjoint {f : Vec 32 → Vec 32} {fT : Vec 32 → Vec 32} (hf : IsAdjoint f fT) :
     IsAdjoint (fun v => vecAdd v (f v)) (fun g => vecAdd g (fT g)) :=
   residual_adjoint hf
 
--- mlp_norm: the RMSNorm weight, an element-wise gain
-theorem mlp_norm_hadamard_adjoint (g a b : Vec 32) :
+-- post_attention_layernorm: the RMSNorm gain w, element-wise
+theorem post_attention_layernorm_hadamard_adjoint (g a b : Vec 32) :
     dot g (hadamard a b) = dot (hadamard g b) a :=
   hadamard_adjoint g a b
 
--- gate_up_proj: linear 32 -> 128
-theorem gate_up_proj_linear_input_adjoint (W : Mat 128 32) (g : Vec 128) (v : Vec 32) :
+-- mlp_gate_up: linear 32 -> 128
+theorem mlp_gate_up_linear_input_adjoint (W : Mat 128 32) (g : Vec 128) (v : Vec 32) :
     dot g (matVec W v) = dot (matTVec W g) v :=
   linear_input_adjoint W g v
 
-theorem gate_up_proj_linear_weight_adjoint_input {T : Nat} (G : Mat T 128) (X : Mat T 32) (W : Mat 128 32) :
+theorem mlp_gate_up_linear_weight_adjoint_input {T : Nat} (G : Mat T 128) (X : Mat T 32) (W : Mat 128 32) :
     frob G (matMul X (transpose W)) = frob (matMul G W) X :=
   linear_weight_adjoint_input G X W
 
-theorem gate_up_proj_linear_weight_adjoint_weight {T : Nat} (G : Mat T 128) (X : Mat T 32) (W : Mat 128 32) :
+theorem mlp_gate_up_linear_weight_adjoint_weight {T : Nat} (G : Mat T 128) (X : Mat T 32) (W : Mat 128 32) :
     frob G (matMul X (transpose W)) = frob (matMul (transpose G) X) W :=
   linear_weight_adjoint_weight G X W
 
--- swiglu: silu(gate) ⊙ up: the gate product
-theorem swiglu_hadamard_adjoint (g a b : Vec 64) :
+-- mlp_glu: silu(gate) ⊙ up: the gate acts on up as a gain
+theorem mlp_glu_hadamard_adjoint (g a b : Vec 64) :
     dot g (hadamard a b) = dot (hadamard g b) a :=
   hadamard_adjoint g a b
 
--- down_proj: linear 64 -> 32
-theorem down_proj_linear_input_adjoint (W : Mat 32 64) (g : Vec 32) (v : Vec 64) :
+-- mlp_down: linear 64 -> 32
+theorem mlp_down_linear_input_adjoint (W : Mat 32 64) (g : Vec 32) (v : Vec 64) :
     dot g (matVec W v) = dot (matTVec W g) v :=
   linear_input_adjoint W g v
 
-theorem down_proj_linear_weight_adjoint_input {T : Nat} (G : Mat T 32) (X : Mat T 64) (W : Mat 32 64) :
+theorem mlp_down_linear_weight_adjoint_input {T : Nat} (G : Mat T 32) (X : Mat T 64) (W : Mat 32 64) :
     frob G (matMul X (transpose W)) = frob (matMul G W) X :=
   linear_weight_adjoint_input G X W
 
-theorem down_proj_linear_weight_adjoint_weight {T : Nat} (G : Mat T 32) (X : Mat T 64) (W : Mat 32 64) :
+theorem mlp_down_linear_weight_adjoint_weight {T : Nat} (G : Mat T 32) (X : Mat T 64) (W : Mat 32 64) :
     frob G (matMul X (transpose W)) = frob (matMul (transpose G) X) W :=
   linear_weight_adjoint_weight G X W
 
--- MLP residual
-theorem mlp_residual_residual_adjoint {f : Vec 32 → Vec 32} {fT : Vec 32 → Vec 32} (hf : IsAdjoint f fT) :
+-- residual1: x + body(x)
+theorem residual1_residual_adjoint {f : Vec 32 → Vec 32} {fT : Vec 32 → Vec 32} (hf : IsAdjoint f fT) :
     IsAdjoint (fun v => vecAdd v (f v)) (fun g => vecAdd g (fT g)) :=
   residual_adjoint hf
 
--- final_norm: the RMSNorm weight, an element-wise gain
+-- final_norm: the RMSNorm gain w, element-wise
 theorem final_norm_hadamard_adjoint (g a b : Vec 32) :
     dot g (hadamard a b) = dot (hadamard g b) a :=
   hadamard_adjoint g a b

@@ -20,7 +20,7 @@ theorem skeleton_backward_is_reversed (g : Vec 10) :
 
 /-! ## The laws at this spec's dims, one instance per layer -/
 
--- fc1: linear 64 -> 128
+-- fc1: linear 64 -> 128 with a bias
 theorem fc1_linear_input_adjoint (W : Mat 128 64) (g : Vec 128) (v : Vec 64) :
     dot g (matVec W v) = dot (matTVec W g) v :=
   linear_input_adjoint W g v
@@ -33,12 +33,16 @@ theorem fc1_linear_weight_adjoint_weight {T : Nat} (G : Mat T 128) (X : Mat T 64
     frob G (matMul X (transpose W)) = frob (matMul (transpose G) X) W :=
   linear_weight_adjoint_weight G X W
 
+theorem fc1_bias_adjoint {T : Nat} (G : Mat T 128) (b : Vec 128) :
+    frob G (broadcast T b) = dot (colSum G) b :=
+  bias_adjoint G b
+
 -- act1: relu: its derivative at the input is an element-wise gain
 theorem act1_hadamard_adjoint (g a b : Vec 128) :
     dot g (hadamard a b) = dot (hadamard g b) a :=
   hadamard_adjoint g a b
 
--- fc2: linear 128 -> 64
+-- fc2: linear 128 -> 64 with a bias
 theorem fc2_linear_input_adjoint (W : Mat 64 128) (g : Vec 64) (v : Vec 128) :
     dot g (matVec W v) = dot (matTVec W g) v :=
   linear_input_adjoint W g v
@@ -51,12 +55,16 @@ theorem fc2_linear_weight_adjoint_weight {T : Nat} (G : Mat T 64) (X : Mat T 128
     frob G (matMul X (transpose W)) = frob (matMul (transpose G) X) W :=
   linear_weight_adjoint_weight G X W
 
+theorem fc2_bias_adjoint {T : Nat} (G : Mat T 64) (b : Vec 64) :
+    frob G (broadcast T b) = dot (colSum G) b :=
+  bias_adjoint G b
+
 -- act2: gelu: its derivative at the input is an element-wise gain
 theorem act2_hadamard_adjoint (g a b : Vec 64) :
     dot g (hadamard a b) = dot (hadamard g b) a :=
   hadamard_adjoint g a b
 
--- fc3: linear 64 -> 10
+-- fc3: linear 64 -> 10 with a bias
 theorem fc3_linear_input_adjoint (W : Mat 10 64) (g : Vec 10) (v : Vec 64) :
     dot g (matVec W v) = dot (matTVec W g) v :=
   linear_input_adjoint W g v
@@ -68,5 +76,9 @@ theorem fc3_linear_weight_adjoint_input {T : Nat} (G : Mat T 10) (X : Mat T 64) 
 theorem fc3_linear_weight_adjoint_weight {T : Nat} (G : Mat T 10) (X : Mat T 64) (W : Mat 10 64) :
     frob G (matMul X (transpose W)) = frob (matMul (transpose G) X) W :=
   linear_weight_adjoint_weight G X W
+
+theorem fc3_bias_adjoint {T : Nat} (G : Mat T 10) (b : Vec 10) :
+    frob G (broadcast T b) = dot (colSum G) b :=
+  bias_adjoint G b
 
 end Generated.MlpDigits

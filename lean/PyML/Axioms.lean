@@ -12,6 +12,8 @@ import PyML.Shape
 #print axioms PyML.linear_weight_adjoint_weight
 #print axioms PyML.embedding_adjoint
 #print axioms PyML.hadamard_adjoint
+#print axioms PyML.smul_adjoint
+#print axioms PyML.bias_adjoint
 #print axioms PyML.residual_adjoint
 #print axioms PyML.compose_adjoint
 #print axioms PyML.rotation_adjoint

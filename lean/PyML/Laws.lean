@@ -118,6 +118,27 @@ theorem hadamard_adjoint {n : Nat} (g a b : Vec n) :
         sum_congr n (fun i => mul_swap_right (g i) (a i) (b i))
     _ = dot (hadamard g b) a := rfl
 
+/-- law: constant scale (the embedding scale, the attention's score scale): `⟨g, c v⟩ = ⟨c g, v⟩`, so dv = c g. -/
+theorem smul_adjoint {n : Nat} (c : Int) (g v : Vec n) : dot g (smul c v) = dot (smul c g) v :=
+  -- each term regroups: g i * (c * v i) = c * g i * v i
+  calc dot g (smul c v)
+      = sum n (fun i => g i * (c * v i)) := rfl
+    _ = sum n (fun i => c * g i * v i) :=
+        sum_congr n (fun i => mul_swap_left (g i) c (v i))
+    _ = dot (smul c g) v := rfl
+
+/-- law: bias over a batch: for `Y = X + 1 bᵀ`, `⟨G, 1 bᵀ⟩ = ⟨colSum G, b⟩`, so db is the column sum of G. -/
+theorem bias_adjoint {T n : Nat} (G : Mat T n) (b : Vec n) :
+    frob G (broadcast T b) = dot (colSum G) b :=
+  -- swap the sums over rows and columns, then pull b j out of the sum over rows
+  calc frob G (broadcast T b)
+      = sum T (fun t => sum n (fun j => G t j * b j)) := rfl
+    _ = sum n (fun j => sum T (fun t => G t j * b j)) :=
+        sum_comm T n (fun t j => G t j * b j)
+    _ = sum n (fun j => sum T (fun t => G t j) * b j) :=
+        sum_congr n (fun j => sum_mul_right T (b j) (fun t => G t j))
+    _ = dot (colSum G) b := rfl
+
 /-- law: residual fan-out: if `fT` is the adjoint of `f`, the adjoint of `v ↦ v + f v` is `g ↦ g + fT g`. -/
 theorem residual_adjoint {n : Nat} {f : Vec n → Vec n} {fT : Vec n → Vec n}
     (hf : IsAdjoint f fT) : IsAdjoint (fun v => vecAdd v (f v)) (fun g => vecAdd g (fT g)) := by

@@ -44,6 +44,15 @@ def scatterAdd {V D T : Nat} (G : Mat T D) (ids : Fin T → Fin V) : Mat V D :=
 /-- Element-wise product `a ⊙ b`. -/
 def hadamard {n : Nat} (a b : Vec n) : Vec n := fun i => a i * b i
 
+/-- Scalar multiple `c v` (a constant scale: the embedding's, the attention scores'). -/
+def smul {n : Nat} (c : Int) (v : Vec n) : Vec n := fun i => c * v i
+
+/-- The `T × n` matrix whose every row is `b` (a bias added to each of `T` rows). -/
+def broadcast {n : Nat} (T : Nat) (b : Vec n) : Mat T n := fun _ j => b j
+
+/-- Column sums of `G`: `Σ t, G t j`. -/
+def colSum {T n : Nat} (G : Mat T n) : Vec n := fun j => sum T (fun t => G t j)
+
 /-- Vector sum `a + b`. -/
 def vecAdd {n : Nat} (a b : Vec n) : Vec n := fun i => a i + b i
 

@@ -30,6 +30,31 @@ def template_hashes() -> dict[str, str]:
             for path in sorted(TEMPLATES.rglob("*.j2"))}
 
 
+# The hand-written modules generated packages import: a change to one changes what a generated
+# package computes without changing its files, so their hashes are part of the manifest.
+SHARED_MODULES = ("pyml/package/base.py", "pyml/package/kernels_cpu.py",
+                  "pyml/package/kernels_cuda.py", "pyml/package/vector_math.py",
+                  "pyml/package/quantized_dot.py")
+PYML_ROOT = Path(__file__).resolve().parents[2]
+
+
+def shared_hashes() -> dict[str, str]:
+    return {path: sha256((PYML_ROOT / path).read_bytes()) for path in SHARED_MODULES}
+
+
+def generator_hash() -> str:
+    """One digest of the generator's own modules: a change to how code is generated shows as
+    the reason for drift instead of looking like a hand edit."""
+    return sha256("".join(sha256(path.read_bytes())
+                          for path in sorted(Path(__file__).parent.glob("*.py"))))
+
+
+def shared_hash(paths) -> str:
+    """One digest of the shared modules `paths`, for a kernel module's first lines."""
+    hashes = shared_hashes()
+    return sha256("".join(hashes[path] for path in paths))[:16]
+
+
 def law_hashes(root: Path, names) -> dict[str, str]:
     from pyml.laws import load_law_index
 
@@ -43,11 +68,15 @@ def law_hashes(root: Path, names) -> dict[str, str]:
     return {name: index[name].sha256 for name in names}
 
 
-def manifest(spec, plan, root: Path, files: dict[str, str]) -> dict:
+def manifest(spec, graph, root: Path, files: dict[str, str]) -> dict:
+    from pyml.codegen.lower import relied_on_laws
+
     return {
         "generator_version": __version__,
+        "generator_sha256": generator_hash(),
         "spec": {"name": spec.name, "sha256": sha256(canonical_spec(spec))},
         "templates": template_hashes(),
-        "laws": law_hashes(root, plan.laws),
+        "shared_modules": shared_hashes(),
+        "laws": law_hashes(root, relied_on_laws(graph)),
         "files": {path: sha256(text) for path, text in sorted(files.items())},
     }

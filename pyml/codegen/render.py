@@ -16,17 +16,32 @@ import jinja2
 
 TEMPLATES = Path(__file__).parent / "templates"
 TARGETS = ("cpu", "cuda")
+# The spec-independent kernels (AdamW, the residual joins, the vectorizable math, the quantized row
+# dot products) are hand-written modules under pyml/package/ that every kernel module imports and
+# re-exports.
 HEADERS = {
-    "cpu": "import math\n\nimport numpy as np\nfrom numba import njit, prange\n",
-    "cuda": "import math\n\nimport numpy as np\nfrom numba import cuda\n",
+    "cpu": (
+        "import math\n\nimport numpy as np\nfrom numba import njit, prange\n\n"
+        "from pyml.package.kernels_cpu import (adamw_grad_norm, adamw_scale, adamw_step, add_into, "
+        "copy_into, residual_add)\n"
+        "from pyml.package.vector_math import (F32_ONE, MAX_LANES, dot_float64, exp_vectorizable, "
+        "gelu_tanh_vectorizable, gelu_tanh_with_derivative_vectorizable, max_value, "
+        "sigmoid_vectorizable, sum_float64, unit_offset_weighted_dot_float64, weighted_dot_float64)\n"
+        "from pyml.package.quantized_dot import (q4_row_dot_runs_of_16, q4_row_dot_runs_of_32, "
+        "q6_row_dot, q8_row_dot)\n"
+    ),
+    "cuda": (
+        "import math\n\nimport numpy as np\nfrom numba import cuda\n\n"
+        "from pyml.package.kernels_cuda import (adamw_grad_norm, adamw_scale, adamw_step, add_into, "
+        "copy_into, residual_add)\n"
+    ),
 }
-# CPU kinds whose kernels call the vectorizable exp, sum or max of `cpu/vector_math.py.j2`
-VECTOR_MATH_KINDS = {"attention", "cross_entropy", "rmsnorm", "silu", "swiglu"}
-VECTOR_MATH_IMPORTS = "from numba.extending import overload\n"
-# CPU kinds whose kernels call the quantized dot products (numba intrinsics in LLVM IR) of
-# `cpu/quantized_dot.py.j2`
-QUANTIZED_KINDS = {"quantized_linear"}
-QUANTIZED_IMPORTS = "from llvmlite import ir\nfrom numba.core import cgutils\nfrom numba.extending import intrinsic\n"
+# what the header imports, for `pyml check` and the modules' first line (see pyml.package.vector_math)
+SHARED_KERNEL_MODULES = {
+    "cpu": ("pyml/package/kernels_cpu.py", "pyml/package/vector_math.py",
+            "pyml/package/quantized_dot.py"),
+    "cuda": ("pyml/package/kernels_cuda.py",),
+}
 
 ENVIRONMENT = jinja2.Environment(
     loader=jinja2.FileSystemLoader(TEMPLATES),
@@ -62,17 +77,8 @@ def render_kernel_module(target: str, blocks: list[tuple[str, dict]]) -> str:
     """Source of one kernel module: the header, then one rendered block per (kind, context), or
     bindings to an earlier block of the same kind and dims."""
     header = HEADERS[target]
-    kinds = {kind for kind, _ in blocks}
-    if target == "cuda" and "linear" in kinds:
+    if target == "cuda" and any(kind in ("linear", "frozen_linear") for kind, _ in blocks):
         blocks = [("matmul", {}), *blocks]  # one tiled matmul serves every linear layer
-    if target == "cpu" and kinds & (VECTOR_MATH_KINDS | QUANTIZED_KINDS):
-        header = header.replace("njit, prange", "njit, prange, types")
-    if target == "cpu" and kinds & QUANTIZED_KINDS:
-        header += QUANTIZED_IMPORTS
-        blocks = [("quantized_dot", {}), *blocks]
-    if target == "cpu" and kinds & VECTOR_MATH_KINDS:
-        header += VECTOR_MATH_IMPORTS
-        blocks = [("vector_math", {}), *blocks]
     parts, first_prefixes = [header], {}
     for kind, context in blocks:
         dims = (kind, tuple(sorted((key, value) for key, value in context.items() if key != "p")))

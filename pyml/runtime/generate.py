@@ -118,18 +118,26 @@ def eos_ids(model_dir: Path) -> set[int]:
     return set(eos) if isinstance(eos, list) else {eos} if isinstance(eos, int) else set()
 
 
-def next_token(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
-    """Greedy at temperature 0; otherwise softmax(logits / T) restricted to the smallest set of
-    tokens whose probability reaches top_p."""
-    if temperature == 0:
-        return int(np.argmax(logits))
+def sampling_probabilities(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
+    """The distribution a token is drawn from at temperature > 0: softmax(logits / T) restricted to
+    the smallest set of most probable tokens whose probability reaches top_p, renormalised; zero
+    for every other token. Float64, over the whole vocabulary."""
     scaled = logits.astype(np.float64) / temperature
     probs = np.exp(scaled - scaled.max())
     probs /= probs.sum()
     order = np.argsort(-probs, kind="stable")
     keep = int(np.searchsorted(np.cumsum(probs[order]), top_p) + 1)
-    kept = order[:keep]
-    return int(rng.choice(kept, p=probs[kept] / probs[kept].sum()))
+    kept = np.zeros_like(probs)
+    kept[order[:keep]] = probs[order[:keep]]
+    return kept / kept.sum()
+
+
+def next_token(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
+    """Greedy at temperature 0; otherwise a draw from `sampling_probabilities`."""
+    if temperature == 0:
+        return int(np.argmax(logits))
+    probs = sampling_probabilities(logits, temperature, top_p)
+    return int(rng.choice(len(probs), p=probs))
 
 
 class TextStream:

@@ -1,8 +1,8 @@
 """GGUF weight matrices kept quantized, laid out for the quantized linear kernels.
 
 A GGUF stores a matrix row by row, each row as blocks that interleave float16 scales with packed
-integers (pyml/runtime/quant.py describes them). The kernels (templates/cpu/quantized_dot.py.j2)
-read one weight row as a few contiguous arrays instead: the packed integers exactly as the file
+integers (pyml/runtime/quant.py describes them). The kernels (pyml/package/quantized_dot.py) read
+one weight row as a few contiguous arrays instead: the packed integers exactly as the file
 stores them, block after block, and the scales (and offsets) decoded to float32, one per block or
 sub-block. So a weight costs the same bits as in the file plus 4 bytes per scale (Q4_1: 24 bytes
 per 32 weights instead of 20), and a row's integers load as whole vectors.

@@ -1,12 +1,25 @@
 """The tokenizer a GGUF describes, rebuilt with the `tokenizers` library.
 
-A GGUF carries no tokenizer.json: llama.cpp keeps the vocabulary, the BPE merges, the token kinds
-and the special token ids as `tokenizer.ggml.*` metadata, and names its pre-tokenizer (the regexes
-that cut text into words before BPE) in `tokenizer.ggml.pre`. We support the byte-level BPE
-("gpt2") vocabulary with the pre-tokenizers whose llama.cpp regexes we reproduce exactly.
+A GGUF carries no tokenizer.json: llama.cpp keeps the vocabulary, the token kinds, the special
+token ids and either BPE merges or token scores as `tokenizer.ggml.*` metadata. We support its two
+BPE vocabularies (`tokenizer.ggml.model`):
+
+- "gpt2": byte-level BPE with the merges listed, after a pre-tokenizer (the regexes that cut text
+  into words, named in `tokenizer.ggml.pre`) whose llama.cpp regexes we reproduce exactly.
+- "llama": SentencePiece BPE (Llama 2, Gemma). Spaces become "▁", and unless
+  `tokenizer.ggml.add_space_prefix` is false each stretch of text (at the start, and after each
+  special or user-defined token) gets one in front; the text is not cut into words; the pair of
+  neighbouring pieces that make the token with the highest score is merged first, and a
+  character no token spells is written as its UTF-8 byte tokens <0x00>..<0xFF>. Those are
+  SentencePiece's rules, and llama.cpp's. We state them as BPE merges: every cut of a normal
+  token into two tokens, ranked by the token's score (a token with several cuts: the longer left
+  piece first, as transformers ranks them).
+
+In both, control and user-defined tokens (Gemma's runs of spaces, tabs and newlines, its HTML
+tags) are matched whole in the text, the longest first, before anything else, as llama.cpp does.
 """
 
-from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 
 from pyml.errors import PymlError
@@ -18,6 +31,7 @@ from pyml.runtime.gguf_read import GGUFFile
 NORMAL_TOKEN = 1
 CONTROL_TOKEN = 3
 USER_DEFINED_TOKEN = 4
+SPACE_PIECE = "\u2581"  # SentencePiece's visible space, "▁"
 
 # The GPT-2 word regex, which the ByteLevel pre-tokenizer applies with use_regex=True.
 _GPT2_WORDS = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -43,25 +57,15 @@ _SPECIAL_TOKEN_IDS = {
 def build_tokenizer(gguf: GGUFFile) -> Tokenizer:
     """The GGUF's tokenizer: same ids, same splits, same special tokens as llama.cpp's."""
     model = _metadata(gguf, "tokenizer.ggml.model", str)
-    if model != "gpt2":
-        raise PymlError(f"{gguf.path}: tokenizer model {model!r} is not supported (only 'gpt2')")
-    pre = _metadata(gguf, "tokenizer.ggml.pre", str)
-    if pre not in _PRE_TOKENIZERS:
+    if model == "gpt2":
+        tokenizer = _byte_level_bpe(gguf)
+    elif model == "llama":
+        tokenizer = _sentencepiece_bpe(gguf)
+    else:
         raise PymlError(
-            f"{gguf.path}: pre-tokenizer {pre!r} is not supported (only {sorted(_PRE_TOKENIZERS)})"
+            f"{gguf.path}: tokenizer model {model!r} is not supported (only 'gpt2' and 'llama')"
         )
     tokens = _tokens(gguf)
-    vocab = {token: index for index, token in enumerate(tokens)}
-    if len(vocab) != len(tokens):
-        raise PymlError(f"{gguf.path}: tokenizer.ggml.tokens lists a token twice")
-    merges = _merges(gguf)
-    try:
-        tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    except Exception as error:  # tokenizers reports bad merges as a bare Exception
-        raise PymlError(f"{gguf.path}: the BPE merges do not fit the vocabulary: {error}") from None
-    tokenizer.pre_tokenizer = _PRE_TOKENIZERS[pre]
-    tokenizer.decoder = decoders.ByteLevel()
-
     kinds = _token_kinds(gguf, len(tokens))
     tokenizer.add_special_tokens(
         [_whole(token, special=True) for token, kind in zip(tokens, kinds) if kind == CONTROL_TOKEN]
@@ -79,12 +83,86 @@ def build_tokenizer(gguf: GGUFFile) -> Tokenizer:
     return tokenizer
 
 
+def _byte_level_bpe(gguf: GGUFFile) -> Tokenizer:
+    pre = _metadata(gguf, "tokenizer.ggml.pre", str)
+    if pre not in _PRE_TOKENIZERS:
+        raise PymlError(
+            f"{gguf.path}: pre-tokenizer {pre!r} is not supported (only {sorted(_PRE_TOKENIZERS)})"
+        )
+    tokens = _tokens(gguf)
+    vocab = _vocab(gguf, tokens)
+    merges = _merges(gguf)
+    try:
+        tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    except Exception as error:  # tokenizers reports bad merges as a bare Exception
+        raise PymlError(f"{gguf.path}: the BPE merges do not fit the vocabulary: {error}") from None
+    tokenizer.pre_tokenizer = _PRE_TOKENIZERS[pre]
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _sentencepiece_bpe(gguf: GGUFFile) -> Tokenizer:
+    tokens = _tokens(gguf)
+    vocab = _vocab(gguf, tokens)
+    kinds = _token_kinds(gguf, len(tokens))
+    scores = gguf.metadata.get("tokenizer.ggml.scores")
+    if not hasattr(scores, "dtype") or scores.dtype.kind != "f" or len(scores) != len(tokens):
+        raise PymlError(f"{gguf.path}: tokenizer.ggml.scores is not one number per token")
+    missing_bytes = [f"<0x{byte:02X}>" for byte in range(256) if f"<0x{byte:02X}>" not in vocab]
+    if missing_bytes:
+        raise PymlError(
+            f"{gguf.path}: the vocabulary lacks the byte tokens {', '.join(missing_bytes[:3])}..."
+        )
+    unknown = special_token_id(gguf, "tokenizer.ggml.unknown_token_id")
+    if unknown is None:
+        raise PymlError(f"{gguf.path}: has no tokenizer.ggml.unknown_token_id")
+    tokenizer = Tokenizer(
+        BPE(
+            vocab=vocab,
+            merges=_merges_by_score(tokens, scores.tolist(), kinds, vocab),
+            unk_token=tokens[unknown],
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    # Unless the file says not to, llama.cpp puts a space in front of the text and of the text
+    # after each special or user-defined token: the normalizer runs on each stretch of text
+    # between added tokens, so a Prepend does just that.
+    space_prefix = _flag(gguf, "tokenizer.ggml.add_space_prefix", default=True)
+    spaces = normalizers.Replace(" ", SPACE_PIECE)
+    tokenizer.normalizer = (
+        normalizers.Sequence([normalizers.Prepend(SPACE_PIECE), spaces]) if space_prefix else spaces
+    )
+    steps = [decoders.Replace(SPACE_PIECE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if space_prefix:
+        steps.append(decoders.Strip(" ", 1, 0))
+    tokenizer.decoder = decoders.Sequence(steps)
+    return tokenizer
+
+
+def _merges_by_score(
+    tokens: list[str], scores: list[float], kinds: list[int], vocab: dict[str, int]
+) -> list[tuple[str, str]]:
+    """Every cut of a normal token into two tokens of the vocabulary, the best-scoring token's
+    first, and of one token's cuts the one with the longer left piece first."""
+    cuts = []
+    for token, score, kind in zip(tokens, scores, kinds):
+        if kind != NORMAL_TOKEN:
+            continue
+        for length in range(len(token) - 1, 0, -1):
+            left, right = token[:length], token[length:]
+            if left in vocab and right in vocab:
+                cuts.append((-score, len(cuts), left, right))
+    cuts.sort()
+    return [(left, right) for _, _, left, right in cuts]
+
+
 def tokenizer_config(gguf: GGUFFile) -> dict[str, object]:
     """tokenizer_config.json for transformers' AutoTokenizer: special tokens and chat template."""
     tokens = _tokens(gguf)
     config: dict[str, object] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": _flag(gguf, "tokenizer.ggml.add_bos_token"),
+        "add_bos_token": _adds_bos(gguf),
         "add_eos_token": _flag(gguf, "tokenizer.ggml.add_eos_token"),
         "clean_up_tokenization_spaces": False,
     }
@@ -125,7 +203,7 @@ def _whole(token: str, special: bool) -> AddedToken:
 def _added_around_text(gguf: GGUFFile, tokens: list[str]) -> processors.TemplateProcessing | None:
     """The post-processor that adds BOS/EOS when the GGUF asks for it, as llama.cpp does."""
     before, after = [], []
-    if _flag(gguf, "tokenizer.ggml.add_bos_token"):
+    if _adds_bos(gguf):
         before.append(special_token_id(gguf, "tokenizer.ggml.bos_token_id"))
     if _flag(gguf, "tokenizer.ggml.add_eos_token"):
         after.append(special_token_id(gguf, "tokenizer.ggml.eos_token_id"))
@@ -150,8 +228,15 @@ def _metadata(gguf: GGUFFile, key: str, kind: type):
     return value
 
 
-def _flag(gguf: GGUFFile, key: str) -> bool:
-    value = gguf.metadata.get(key, False)
+def _adds_bos(gguf: GGUFFile) -> bool:
+    """Whether BOS goes in front of the text: llama.cpp does so for a SentencePiece vocabulary
+    unless the file says not to."""
+    sentencepiece = gguf.metadata.get("tokenizer.ggml.model") == "llama"
+    return _flag(gguf, "tokenizer.ggml.add_bos_token", default=sentencepiece)
+
+
+def _flag(gguf: GGUFFile, key: str, default: bool = False) -> bool:
+    value = gguf.metadata.get(key, default)
     if not isinstance(value, bool):
         raise PymlError(f"{gguf.path}: {key} is {value!r}, not a boolean")
     return value
@@ -162,6 +247,13 @@ def _tokens(gguf: GGUFFile) -> list[str]:
     if not tokens or not all(isinstance(token, str) for token in tokens):
         raise PymlError(f"{gguf.path}: tokenizer.ggml.tokens is not a list of strings")
     return tokens
+
+
+def _vocab(gguf: GGUFFile, tokens: list[str]) -> dict[str, int]:
+    vocab = {token: index for index, token in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise PymlError(f"{gguf.path}: tokenizer.ggml.tokens lists a token twice")
+    return vocab
 
 
 def _merges(gguf: GGUFFile) -> list[tuple[str, str]]:

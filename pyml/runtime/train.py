@@ -32,7 +32,6 @@ from pyml.runtime.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     read_state,
-    save_checkpoint,
 )
 from pyml.runtime.data import (
     DEFAULT_CORPUS_NAME,
@@ -44,6 +43,7 @@ from pyml.runtime.data import (
     pack,
     split_documents,
 )
+from pyml.runtime.distributed import SingleProcess
 from pyml.runtime.safetensors_io import atomic_write
 
 IGNORED_TARGET = -100  # the generated losses skip this target, as torch's cross_entropy does
@@ -118,9 +118,11 @@ def train(
     device: str | None = None,
     eval_batches: int | None = None,
     progress: bool = True,
+    group=None,
 ) -> TrainingResult:
     """Train the generated package of the spec at `spec_path`; options left as None take the
-    checkpoint's values when resuming, else the defaults above. Prints a summary at the end."""
+    checkpoint's values when resuming, else the defaults above. Prints a summary at the end.
+    `group` is this process's part in data-parallel training (`pyml.runtime.distributed`)."""
     from pyml.spec import SequentialModel, load_spec
 
     spec = load_spec(spec_path)
@@ -166,7 +168,7 @@ def train(
     else:
         model = package.Model.initialized(seed=config.seed, **dtype_and_device)
     result = run_training(
-        package, model, train_pairs, held_out_pairs, config, Path(out), resume, progress
+        package, model, train_pairs, held_out_pairs, config, Path(out), resume, progress, group
     )
     print(describe_result(result, Path(out)))
     return result
@@ -181,14 +183,19 @@ def run_training(
     out: Path,
     resume: bool = False,
     progress: bool = True,
+    group=None,
 ) -> TrainingResult:
     """Train `model` (a `package.Model`) on (inputs, targets) rows until step `config.steps`,
     evaluating, checkpointing into `out` and writing `out/loss.png` as the config says. With
     `resume`, first restore `out`'s latest checkpoint into the model, the optimizer and the data
     order. Ctrl-C stops after the step in flight and saves it; a non-finite loss raises PymlError
-    and keeps the last checkpoint."""
+    and keeps the last checkpoint. `group` (default: one process) splits each batch across ranks;
+    only its root writes files and shows progress."""
     out = Path(out)
-    optimizer = package.AdamW(
+    group = group or SingleProcess()
+    group.check_batch(config.batch)
+    optimizer = group.optimizer(
+        package,
         model,
         lr=config.lr,
         weight_decay=config.weight_decay,
@@ -226,8 +233,9 @@ def run_training(
             "train_losses": train_losses,
             "evaluations": evaluations,
         }
-        saved = save_checkpoint(out, model, optimizer, state)
-        write_loss_curve(out / LOSS_CURVE_FILE, train_losses, evaluations)
+        saved = group.save_checkpoint(out, model, optimizer, state)
+        if group.is_root:
+            write_loss_curve(out / LOSS_CURVE_FILE, train_losses, evaluations)
         return saved
 
     examples_per_step = config.batch * (config.seq or 1)
@@ -236,17 +244,20 @@ def run_training(
     # shown leaves it out once there are others.
     seconds_timed, steps_timed, first_step_of_run = 0.0, 0, step + 1
     with (
-        tqdm(total=config.steps, initial=step, disable=not progress, unit="step") as bar,
-        stop_requested_by_ctrl_c(bar) as stop,
+        tqdm(total=config.steps, initial=step, disable=not (progress and group.is_root),
+             unit="step") as bar,
+        stop_requested_by_ctrl_c(bar, group.stop_signals) as stop,
     ):
         while step < config.steps:
             inputs, targets = batches.next_batch()
             started = time.perf_counter()
             try:
-                loss = package.train_step(model, optimizer, inputs, targets)
+                loss = group.train_step(package, model, optimizer, inputs, targets, stop)
             except PymlError as error:
-                write_loss_curve(out / LOSS_CURVE_FILE, train_losses, evaluations)
-                raise PymlError(
+                if group.is_root:
+                    write_loss_curve(out / LOSS_CURVE_FILE, train_losses, evaluations)
+                # the same class: an error every rank agreed on stays one (GroupError)
+                raise type(error)(
                     f"training stopped at step {step + 1}: {error}; {last_good(checkpoint)}"
                 ) from None
             seconds = time.perf_counter() - started
@@ -262,7 +273,7 @@ def run_training(
             if stop.requested:
                 checkpoint = save()
                 return TrainingResult(step, train_losses, evaluations, checkpoint, True)
-            if step % config.eval_every == 0 or step == config.steps:
+            if group.is_root and (step % config.eval_every == 0 or step == config.steps):
                 evaluation = {"step": step, **evaluate(model, held_out_pairs, config)}
                 evaluations.append(evaluation)
                 bar.write(describe_evaluation(evaluation))
@@ -285,10 +296,11 @@ class StopRequest:
 
 
 @contextmanager
-def stop_requested_by_ctrl_c(bar: tqdm):
-    """While inside, Ctrl-C sets `.requested` instead of raising KeyboardInterrupt in the middle of
-    a step (where the weights may be half updated); the loop then saves the finished step and
-    returns. A second Ctrl-C aborts at once, keeping the last checkpoint."""
+def stop_requested_by_ctrl_c(bar: tqdm, signals=(signal.SIGINT,)):
+    """While inside, Ctrl-C (or another of `signals`: SIGTERM too, on a rank of a distributed run)
+    sets `.requested` instead of raising KeyboardInterrupt in the middle of a step (where the
+    weights may be half updated); the loop then saves the finished step and returns. A second one
+    aborts at once, keeping the last checkpoint."""
     stop = StopRequest()
     if threading.current_thread() is not threading.main_thread():
         yield stop  # signal handlers can only be installed from the main thread
@@ -296,14 +308,16 @@ def stop_requested_by_ctrl_c(bar: tqdm):
 
     def request_stop(signum, frame):
         stop.requested = True
-        signal.signal(signal.SIGINT, previous)
-        bar.write("Ctrl-C: saving a checkpoint after this step (Ctrl-C again to abort without it)")
+        signal.signal(signum, previous[signum])
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        bar.write(f"{name}: saving a checkpoint after this step ({name} again to abort without it)")
 
-    previous = signal.signal(signal.SIGINT, request_stop)
+    previous = {signum: signal.signal(signum, request_stop) for signum in signals}
     try:
         yield stop
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def evaluate(model, held_out_pairs: tuple[np.ndarray, np.ndarray], config: TrainingConfig) -> dict:
@@ -388,6 +402,7 @@ def write_loss_curve(path: Path, train_losses: list[float], evaluations: list[di
     axes.grid(alpha=0.3)
     axes.legend()
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)  # a run that fails before its first save
         atomic_write(path, lambda handle: figure.savefig(handle, format="png", dpi=100))
     except OSError as error:
         raise PymlError(f"{path}: cannot write the loss curve: {error.strerror}") from None

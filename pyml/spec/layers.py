@@ -3,10 +3,15 @@
 Every model forbids unknown keys, so a misspelt field is an error rather than a silently ignored
 default. Feature dims are positive ints; batch and sequence dims are symbolic (B, T) and never
 appear in a spec.
+
+Two families of layers: the sequential kinds (linear, rmsnorm, the activations and residual) that
+an MLP is a list of, and the block kinds (rmsnorm, attention, mlp and residual) that a decoder
+block is a list of. A residual is a combinator in both: `x + body(x)`.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal, Union
 
 from pydantic import (
@@ -18,7 +23,6 @@ from pydantic import (
     StringConstraints,
     model_validator,
 )
-
 
 # Names become Python identifiers, package and Lean names in generated code: ASCII only.
 Identifier = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
@@ -43,15 +47,21 @@ class Linear(Strict):
 
 
 class Embedding(Strict):
+    """Token embedding; `scale` multiplies every row it gathers (Gemma scales by sqrt(dim))."""
+
     vocab_size: PositiveInt
     dim: PositiveInt
+    scale: PositiveFloat = 1.0
 
 
 class RMSNorm(Strict):
+    """y = x / sqrt(mean(x²) + eps) * gain, the gain `w` or, with `unit_offset`, `1 + w` (Gemma)."""
+
     kind: Literal["rmsnorm"] = "rmsnorm"
     name: Identifier | None = None
     dim: PositiveInt
     eps: PositiveFloat = 1e-5
+    unit_offset: bool = False
 
 
 class ReLU(Strict):
@@ -75,22 +85,41 @@ class RoPE(Strict):
     theta: PositiveFloat = 10000.0
 
 
-class Attention(Strict):
-    """Causal grouped-query self-attention: q, k, v and output projections, no biases."""
+class HeadNorm(Strict):
+    """QK-norm: an RMSNorm over each query and key head's features, one gain per projection."""
 
+    eps: PositiveFloat = 1e-6
+    unit_offset: bool = False
+
+
+class AttentionType(Strict):
+    """What one layer's attention looks at: the whole causal past (no `window`), or the last
+    `window` positions; `rope_theta` replaces the attention's RoPE base on such layers."""
+
+    window: PositiveInt | None = None
+    rope_theta: PositiveFloat | None = None
+
+
+class Attention(Strict):
+    """Causal grouped-query self-attention: fused q, k, v projections, optional QK-norm, RoPE, the
+    scaled softmax, and the output projection. `pattern` gives the attention type of layer `l` as
+    `pattern[l % len(pattern)]` (Gemma 3: five sliding-window layers, then a global one)."""
+
+    kind: Literal["attention"] = "attention"
+    name: Identifier | None = None
     dim: PositiveInt
     n_heads: PositiveInt
     n_kv_heads: PositiveInt
     head_dim: PositiveInt
     rope: RoPE | None = None
+    qkv_bias: bool = False
+    out_bias: bool = False
+    scale: PositiveFloat | None = None  # of the scores; None: 1 / sqrt(head_dim)
+    qk_norm: HeadNorm | None = None
+    pattern: list[AttentionType] | None = Field(default=None, min_length=1)
 
     @model_validator(mode="after")
     def heads_fit(self) -> Attention:
-        if self.dim != self.n_heads * self.head_dim:
-            raise ValueError(
-                f"attention: dim {self.dim} must equal n_heads*head_dim = "
-                f"{self.n_heads}*{self.head_dim} = {self.n_heads * self.head_dim}"
-            )
         if self.n_heads % self.n_kv_heads != 0:
             raise ValueError(
                 f"attention: n_kv_heads {self.n_kv_heads} must divide "
@@ -101,14 +130,30 @@ class Attention(Strict):
                 f"attention: RoPE rotates pairs of features, so head_dim must be "
                 f"even, got {self.head_dim}"
             )
+        if self.rope is None and any(kind.rope_theta is not None for kind in self.pattern or ()):
+            raise ValueError("attention: a pattern entry sets rope_theta but the attention has no rope")
         return self
 
+    @property
+    def score_scale(self) -> float:
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(self.head_dim)
 
-class SwiGLU(Strict):
-    """Gated MLP: down(silu(gate(x)) * up(x)), no biases."""
+    def type_of_layer(self, layer: int) -> AttentionType:
+        """Layer `layer`'s attention type, with its RoPE base filled in."""
+        kind = self.pattern[layer % len(self.pattern)] if self.pattern else AttentionType()
+        theta = kind.rope_theta or (self.rope.theta if self.rope else None)
+        return AttentionType(window=kind.window, rope_theta=theta)
 
+
+class MLP(Strict):
+    """Gated MLP: down(act(gate(x)) * up(x)), act = silu (SwiGLU) or tanh-approximated GELU (GeGLU)."""
+
+    kind: Literal["mlp"] = "mlp"
+    name: Identifier | None = None
     dim: PositiveInt
     hidden: PositiveInt
+    activation: Literal["swiglu", "geglu"] = "swiglu"
+    bias: bool = False
 
 
 class Residual(Strict):
@@ -119,15 +164,85 @@ class Residual(Strict):
     body: list[SequentialLayer] = Field(min_length=1)
 
 
+class BlockResidual(Strict):
+    """x + body(x) inside a decoder block; the body is a list of block layers."""
+
+    kind: Literal["residual"] = "residual"
+    name: Identifier | None = None
+    body: list[BlockLayer] = Field(min_length=1)
+
+
 class DecoderBlock(Strict):
-    """One pre-norm Llama block, repeated `count` times with separate weights:
-    x + attention(attn_norm(x)), then x + mlp(mlp_norm(x))."""
+    """The repeated block, `count` times with separate weights: a composition of block layers
+    (`layers`), or the pre-norm Llama shorthand `attn_norm`, `attention`, `mlp_norm`, `mlp`, which
+    is x + attention(attn_norm(x)), then x + mlp(mlp_norm(x))."""
 
     count: PositiveInt
-    attn_norm: RMSNorm
-    attention: Attention
-    mlp_norm: RMSNorm
-    mlp: SwiGLU
+    layers: list[BlockLayer] | None = Field(default=None, min_length=1)
+    attn_norm: RMSNorm | None = None
+    attention: Attention | None = None
+    mlp_norm: RMSNorm | None = None
+    mlp: MLP | None = None
+
+    @model_validator(mode="after")
+    def one_form(self) -> DecoderBlock:
+        shorthand = {"attn_norm": self.attn_norm, "attention": self.attention,
+                     "mlp_norm": self.mlp_norm, "mlp": self.mlp}
+        given = [key for key, value in shorthand.items() if value is not None]
+        if self.layers is not None and given:
+            raise ValueError(f"give either layers or the shorthand tables, not both "
+                             f"(found layers and {', '.join(given)})")
+        if self.layers is None and len(given) != len(shorthand):
+            missing = [key for key in shorthand if key not in given]
+            raise ValueError(f"missing {', '.join(missing)} (or give the block as layers)")
+        return self
+
+    def composition(self) -> list[tuple[str, object]]:
+        """(label, layer) of the block's top-level layers. The shorthand expands into the Llama
+        composition, its layers named as Hugging Face names them and labelled as the user wrote
+        them (`block.attn_norm`); a residual's body layers are labelled in `body_labels`."""
+        if self.layers is not None:
+            return [(f"block.layers[{i}]", layer) for i, layer in enumerate(self.layers)]
+        named = lambda layer, name: layer.model_copy(update={"name": layer.name or name})  # noqa: E731
+        return [
+            ("block.attn_residual", BlockResidual(body=[named(self.attn_norm, "input_layernorm"),
+                                                        named(self.attention, "self_attn")])),
+            ("block.mlp_residual", BlockResidual(body=[named(self.mlp_norm, "post_attention_layernorm"),
+                                                       named(self.mlp, "mlp")])),
+        ]
+
+    def body_labels(self, label: str, residual: BlockResidual) -> list[str]:
+        if self.layers is None:
+            return SHORTHAND_LABELS[label]
+        return [f"{label}.body[{i}]" for i in range(len(residual.body))]
+
+
+SHORTHAND_LABELS = {"block.attn_residual": ["block.attn_norm", "block.attention"],
+                    "block.mlp_residual": ["block.mlp_norm", "block.mlp"]}
+
+
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+class LoRA(Strict):
+    """Low-rank adapters on the chosen projections of every block, as the `peft` library's LoRA:
+    a projection W becomes W + (alpha / rank) B A, with A (rank, in) and B (out, rank). The base
+    model's parameters are frozen; the adapters are what trains. The defaults are PEFT's."""
+
+    rank: PositiveInt
+    alpha: PositiveFloat = 8.0
+    targets: list[Literal["q", "k", "v", "o", "gate", "up", "down"]] = Field(
+        default=["q", "v"], min_length=1)
+
+    @model_validator(mode="after")
+    def targets_unique(self) -> LoRA:
+        if len(set(self.targets)) != len(self.targets):
+            raise ValueError(f"lora.targets repeats a projection: {self.targets}")
+        return self
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
 
 
 class LMHead(Strict):
@@ -148,6 +263,13 @@ SequentialLayer = Annotated[
     Union[Linear, RMSNorm, ReLU, GELU, SiLU, Residual],
     Field(discriminator="kind"),
 ]
+BlockLayer = Annotated[
+    Union[RMSNorm, Attention, MLP, BlockResidual],
+    Field(discriminator="kind"),
+]
 Residual.model_rebuild()
+BlockResidual.model_rebuild()
+DecoderBlock.model_rebuild()
 
 SEQUENTIAL_LAYER_KINDS = ("linear", "rmsnorm", "relu", "gelu", "silu", "residual")
+BLOCK_LAYER_KINDS = ("rmsnorm", "attention", "mlp", "residual")

@@ -12,13 +12,13 @@ from pathlib import Path
 from pydantic import TypeAdapter, ValidationError
 
 from pyml.errors import PymlError
-from pyml.spec.layers import SEQUENTIAL_LAYER_KINDS
+from pyml.spec.layers import BLOCK_LAYER_KINDS, SEQUENTIAL_LAYER_KINDS
 from pyml.spec.models import DecoderModel, ModelSpec, SequentialModel
 
 MODEL_SPEC = TypeAdapter(ModelSpec)
 FORMS = ("sequential", "decoder")
 # Pydantic puts the tag of a discriminated union into error locations; users never wrote it.
-UNION_TAGS = frozenset(FORMS) | frozenset(SEQUENTIAL_LAYER_KINDS)
+UNION_TAGS = frozenset(FORMS) | frozenset(SEQUENTIAL_LAYER_KINDS) | frozenset(BLOCK_LAYER_KINDS)
 
 
 def describe_location(loc: tuple, data: dict) -> str:

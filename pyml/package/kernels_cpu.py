@@ -1,11 +1,19 @@
-# AdamW {{p}} over flat 1-D buffers, with exactly torch.optim.AdamW's single-tensor arithmetic
+"""The spec-independent CPU kernels every generated kernel module re-exports: AdamW over the flat
+parameter buffer, and the element-wise joins of the residual stream and of gradients."""
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+# AdamW adamw over flat 1-D buffers, with exactly torch.optim.AdamW's single-tensor arithmetic
 # (torch/optim/adam.py, _single_tensor_adam, decoupled weight decay, no amsgrad, no maximize).
 # grad_norm sums in this many fixed chunks, then the chunks in order: deterministic for any thread count
-{{p | upper}}_CHUNKS = 64
+ADAMW_CHUNKS = 64
 
 
 @njit(cache=True, parallel=True)
-def {{p}}_step_kernel(
+def adamw_step_kernel(
     params,
     grads,
     exp_avg,
@@ -41,7 +49,7 @@ def {{p}}_step_kernel(
         params[i] = param + neg_step_size * m / denom
 
 
-def {{p}}_step(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step):
+def adamw_step(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step):
     # params, grads, exp_avg, exp_avg_sq are (P,) flat buffers of one dtype, updated in place;
     # step counts from 1 (torch increments its step before the update). The scalars are computed in
     # Python floats, as torch does, then rounded once to the parameters' dtype, as torch's kernels
@@ -52,7 +60,7 @@ def {{p}}_step(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight
     step_size = lr / bias_correction1
     bias_correction2_sqrt = bias_correction2**0.5
     beta1_weight = scalar(1 - beta1)
-    {{p}}_step_kernel(
+    adamw_step_kernel(
         params,
         grads,
         exp_avg,
@@ -69,28 +77,50 @@ def {{p}}_step(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight
 
 
 @njit(cache=True, parallel=True)
-def {{p}}_grad_norm_kernel(grads):
+def adamw_grad_norm_kernel(grads):
     n = grads.shape[0]
-    partial = np.zeros({{p | upper}}_CHUNKS)
-    per_chunk = (n + {{p | upper}}_CHUNKS - 1) // {{p | upper}}_CHUNKS
-    for chunk in prange({{p | upper}}_CHUNKS):
+    partial = np.zeros(ADAMW_CHUNKS)
+    per_chunk = (n + ADAMW_CHUNKS - 1) // ADAMW_CHUNKS
+    for chunk in prange(ADAMW_CHUNKS):
         acc = 0.0
         for i in range(chunk * per_chunk, min((chunk + 1) * per_chunk, n)):
             acc += np.float64(grads[i]) * np.float64(grads[i])
         partial[chunk] = acc
     total = 0.0
-    for chunk in range({{p | upper}}_CHUNKS):
+    for chunk in range(ADAMW_CHUNKS):
         total += partial[chunk]
     return math.sqrt(total)
 
 
-def {{p}}_grad_norm(grads):
+def adamw_grad_norm(grads):
     # grads is (P,); the global L2 norm, accumulated in float64, as a Python float
-    return float({{p}}_grad_norm_kernel(grads))
+    return float(adamw_grad_norm_kernel(grads))
 
 
 @njit(cache=True, parallel=True)
-def {{p}}_scale(grads, factor):
+def adamw_scale(grads, factor):
     # grads is (P,), multiplied in place by factor (gradient clipping)
     for i in prange(grads.shape[0]):
         grads[i] *= factor
+
+
+@njit(cache=True, parallel=True)
+def residual_add(x, r, out):
+    # a residual join: out = x + r, element-wise on any shape; out may alias x (an in-place add).
+    # Lean law residual_adjoint: its adjoint passes the output gradient to both x and r.
+    x_flat = x.reshape(x.size)
+    r_flat = r.reshape(r.size)
+    out_flat = out.reshape(out.size)
+    for i in prange(x_flat.size):
+        out_flat[i] = x_flat[i] + r_flat[i]
+
+
+def add_into(total, part):
+    # a fan-out's adjoint (Lean law residual_adjoint): total += part, element-wise, for arrays of
+    # one shape and any strides (numpy's add, no temporary)
+    np.add(total, part, out=total)
+
+
+def copy_into(out, source):
+    # out = source, element-wise (a gradient that the adjoint wrote elsewhere)
+    np.copyto(out, source)

@@ -1,26 +1,37 @@
-# Dot products of one quantized weight row with one float32 row, shared by this module's quantized
-# linear kernels (quantized_linear.py.j2). Each is a numba intrinsic that writes its loop in LLVM
-# vector IR. The same loop written as Python indexing stays scalar: numba widens every uint8
-# operation to int64, and LLVM then neither narrows nor vectorizes it; the vector form ran 7x
-# faster (2026-12-01, one core, a 1536x576 Q4_1 matrix: 22.6 against 3.3 billion weights/s).
-# Generic vector types, no target intrinsics: LLVM splits them into the registers of whatever CPU
-# it compiles for (one AVX-512 register holds 16 float32 lanes).
-#
-# Each weight is dequantized as gguf's and llama.cpp's reference dequantizers do, value =
-# q * scale + offset in float32 (q * scale is exact: a 4- to 8-bit integer times a scale with an
-# 11-bit float16 significand times a 6- or 8-bit integer), then multiplied by x and summed in
-# float32, 16 lanes per partial sum and 4 partial sums, reduced at the end of the row. So on small
-# integers (scale 1, offset 0) the result is exactly the exact model's dot product, and on real
-# weights it is gguf's dequantization times x up to float32 summation order.
-#
-# Layouts (what pyml/runtime/gguf_quantized.py keeps: the GGUF's packed bytes, the scales decoded):
-#   q4: 4-bit values in runs of `run` bytes (Q4_0 and Q4_1: 16, Q4_K: 32). A run holds 2 * run
-#       values: its low nibbles the first run of them, its high nibbles the next. A scale and an
-#       offset per 32 values.
-#   q8: int8 values (Q8_0), a scale per 32.
-#   q6: per 128 values (Q6_K), 64 bytes of low nibbles (values 0..63 in the low nibbles, 64..127 in
-#       the high ones) and 32 bytes of 2-bit high parts (bits 2k, 2k+1 of byte i: value 32k + i);
-#       q = low | high << 4, value = (q - 32) * scale, a scale per 16 values.
+"""Dot products of one quantized weight row with one float32 row, for the generated quantized linear
+kernels (templates/cpu/quantized_linear.py.j2), which import them.
+
+Each is a numba intrinsic that writes its loop in LLVM vector IR. The same loop written as Python indexing stays scalar: numba widens every uint8
+operation to int64, and LLVM then neither narrows nor vectorizes it; the vector form ran 7x
+faster (2026-12-01, one core, a 1536x576 Q4_1 matrix: 22.6 against 3.3 billion weights/s).
+Generic vector types, no target intrinsics: LLVM splits them into the registers of whatever CPU
+it compiles for (one AVX-512 register holds 16 float32 lanes).
+
+Each weight is dequantized as gguf's and llama.cpp's reference dequantizers do, value =
+q * scale + offset in float32 (q * scale is exact: a 4- to 8-bit integer times a scale with an
+11-bit float16 significand times a 6- or 8-bit integer), then multiplied by x and summed in
+float32, 16 lanes per partial sum and 4 partial sums, reduced at the end of the row. So on small
+integers (scale 1, offset 0) the result is exactly the exact model's dot product, and on real
+weights it is gguf's dequantization times x up to float32 summation order.
+
+Layouts (what pyml/runtime/gguf_quantized.py keeps: the GGUF's packed bytes, the scales decoded):
+  q4: 4-bit values in runs of `run` bytes (Q4_0 and Q4_1: 16, Q4_K: 32). A run holds 2 * run
+      values: its low nibbles the first run of them, its high nibbles the next. A scale and an
+      offset per 32 values.
+  q8: int8 values (Q8_0), a scale per 32.
+  q6: per 128 values (Q6_K), 64 bytes of low nibbles (values 0..63 in the low nibbles, 64..127 in
+      the high ones) and 32 bytes of 2-bit high parts (bits 2k, 2k+1 of byte i: value 32k + i);
+      q = low | high << 4, value = (q - 32) * scale, a scale per 16 values.
+
+Numba's cache does not notice when a function a cached kernel calls changes in another file, so the
+generated kernel modules carry this module's hash in their first line (as for vector_math).
+"""
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
 QDOT_LANES = 16
 QDOT_PARTIAL_SUMS = 4
 QDOT_I8, QDOT_I32, QDOT_I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)

@@ -1,0 +1,124 @@
+"""The CPU attention kernels of the working tree against those of a git revision, at SmolLM2-135M's
+shapes (B=2, T=128, 9 query heads, 3 kv heads, head_dim 64), float32, global attention (window 0):
+a change to the templates must not slow the path the shipped models take.
+
+Both versions are rendered from their templates with the spec's dims, imported into this process
+and timed alternately: forward, backward and one decode step; best of --rounds rounds of --repeats
+calls each (these machines are shared: single runs vary by tens of percent).
+
+    python bench/attention_kernels.py [--rev 5b899aa] [--rounds 7] [--repeats 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jinja2
+import numpy as np
+
+from pyml.codegen import render
+
+ROOT = Path(__file__).resolve().parent.parent
+CONTEXT = dict(p="attention", n_heads=9, n_kv_heads=3, head_dim=64)
+B, T = 2, 128
+
+
+def templates_at(rev: str, into: Path) -> Path:
+    """The kernel templates of git revision `rev`, extracted under `into`."""
+    archive = subprocess.run(["git", "archive", rev, "pyml/codegen/templates"], cwd=ROOT,
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into / "pyml/codegen/templates"
+
+
+def load(templates: Path, name: str):
+    render.ENVIRONMENT = render.ENVIRONMENT.overlay(loader=jinja2.FileSystemLoader(templates))
+    source = render.render_kernel_module("cpu", [("attention", CONTEXT)])
+    path = Path(tempfile.gettempdir()) / "pyml-bench" / (
+        f"{name}_{hashlib.sha256(source.encode()).hexdigest()[:16]}.py")
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module  # numba's cache=True finds the module's globals by its name
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rev", default="5b899aa", help="the revision to compare against")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        versions = {args.rev: load(templates_at(args.rev, Path(scratch)), "base"),
+                    "working tree": load(ROOT / "pyml/codegen/templates", "tree")}
+    h, kv, hd = CONTEXT["n_heads"], CONTEXT["n_kv_heads"], CONTEXT["head_dim"]
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((B, T, h, hd)).astype(np.float32)
+    k, v = (rng.standard_normal((B, T, kv, hd)).astype(np.float32) for _ in range(2))
+    dout = rng.standard_normal((B, T, h * hd)).astype(np.float32)
+    att, out = np.empty((B, h, T, T), np.float32), np.empty((B, T, h * hd), np.float32)
+    dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+    cache_k, cache_v = (rng.standard_normal((B, 512, kv, hd)).astype(np.float32) for _ in range(2))
+    q1, out1 = np.ascontiguousarray(q[:, -1:]), np.empty((B, 1, h * hd), np.float32)
+    scores = rng.standard_normal((B, kv, h // kv * T, T)).astype(np.float32) * 8
+    grad_in = rng.standard_normal(scores.shape).astype(np.float32)
+    grad = np.empty_like(grad_in)
+    lanes = np.empty((B * h * T, 16), np.float32)
+    scale = np.float32(hd**-0.5)
+
+    def window_args(kernel, n_args):  # (0,), where the kernel takes a window after its n_args
+        return (0,) * (kernel.py_func.__code__.co_argcount - n_args)
+
+    def softmax_forward(m):
+        kernel = m.attention_softmax_forward_kernel
+        kernel(scores, scale, att, lanes, *window_args(kernel, 4))
+
+    def softmax_backward(m):
+        kernel = m.attention_softmax_backward_kernel
+        probs = att.reshape(B, kv, h // kv * T, T)
+        np.copyto(grad, grad_in)  # the kernel overwrites dP with dS (a 1.2 MB copy, both versions)
+        kernel(probs, scale, grad, *window_args(kernel, 3))
+
+    calls = {
+        "forward": lambda m: m.attention_forward(q, k, v, att, out),
+        "backward": lambda m: m.attention_backward(q, k, v, att, dout, dq, dk, dv),
+        "decode (300 cached)": lambda m: m.attention_decode(q1, cache_k, cache_v, 300, out1),
+        # the two kernels the window changed, alone (the products around them are BLAS)
+        "softmax forward": softmax_forward,
+        "softmax backward": softmax_backward,
+    }
+    outputs = {}
+    for name, module in versions.items():  # compile, and check both compute the same
+        for call in calls.values():
+            call(module)
+        outputs[name] = [a.copy() for a in (att, out, dq, dk, dv, out1, grad)]
+    same = all(np.array_equal(a, b) for a, b in zip(*outputs.values()))
+    best = {(name, call): float("inf") for name in versions for call in calls}
+    for _ in range(args.rounds):
+        for name, module in versions.items():
+            for call_name, call in calls.items():
+                start = time.perf_counter()
+                for _ in range(args.repeats):
+                    call(module)
+                elapsed = (time.perf_counter() - start) / args.repeats
+                best[name, call_name] = min(best[name, call_name], elapsed)
+    print(f"attention {CONTEXT} B={B} T={T} float32, best of {args.rounds} x {args.repeats}")
+    print(f"outputs bit-identical between the versions: {same}")
+    for call_name in calls:
+        times = "  ".join(f"{name}: {best[name, call_name] * 1e3:.3f} ms" for name in versions)
+        print(f"  {call_name:20s} {times}")
+    sys.exit(0 if same else 1)
+
+
+if __name__ == "__main__":
+    main()

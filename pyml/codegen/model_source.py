@@ -1,0 +1,264 @@
+"""The generated `model.py`: the graph's parameter layout, tensor names, buffers and passes.
+
+Everything here is derived from the graph and its schedule; the template
+(`templates/package/model.py.j2`) only arranges it around `pyml.package.base`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from pyml.codegen.ir import Graph, Param, Value
+from pyml.codegen.lower import relied_on_laws
+from pyml.codegen.render import ENVIRONMENT
+from pyml.codegen.schedule import Layout, Statements, Writer
+from pyml.spec.models import DecoderModel
+
+
+def shape_text(shape: tuple, lead: tuple = ()) -> str:
+    parts = [str(dim) for dim in (*lead, *shape)]
+    return f"({parts[0]},)" if len(parts) == 1 else f"({', '.join(parts)})"
+
+
+def view_text(value: Value, storage_expr: str, storage_shape: tuple, lead: tuple) -> str:
+    """The expression of `value` as a view of the array `storage_expr` (whose own shape is
+    `lead + storage_shape`)."""
+    if value.view == "rows":
+        return f"{storage_expr}.reshape({shape_text(value.shape, lead)})"
+    if value.view == "heads":
+        return f"heads({storage_expr}, {value.start}, {value.stop})"
+    if value.view == "row_heads":
+        merged = shape_text(("N", *storage_shape[-2:]), lead)
+        return f"heads({storage_expr}.reshape({merged}), {value.start}, {value.stop})"
+    return storage_expr
+
+
+class ParameterLayout:
+    """Offsets in the flat buffer: the model's parameters before the block, then each layer's
+    parameters contiguously, then the model's parameters after the block."""
+
+    def __init__(self, params: list[Param], n_layers: int, buffer: str = "flat"):
+        first = next((i for i, p in enumerate(params) if p.per_layer), len(params))
+        self.before = params[:first]
+        self.block = [p for p in params if p.per_layer]
+        self.after = [p for p in params[first:] if not p.per_layer]
+        self.buffer = buffer
+        self.n_layers = n_layers
+        self.start: dict[str, int] = {}
+        offset = 0
+        for param in self.before:
+            self.start[param.attr], offset = offset, offset + math.prod(param.shape)
+        self.layer_start, inner = offset, 0
+        for param in self.block:
+            self.start[param.attr], inner = offset + inner, inner + math.prod(param.shape)
+        self.layer_stride = inner
+        offset += inner * n_layers
+        self.after_start = offset
+        for param in self.after:
+            self.start[param.attr], offset = offset, offset + math.prod(param.shape)
+        self.size = offset
+
+    def view_lines(self) -> list[str]:
+        lines = []
+        for param in [*self.before, *self.block, *self.after]:
+            start, shape = self.start[param.attr], shape_text(param.shape)
+            if param.per_layer:
+                lines.append(f"self.{param.attr} = layer_views({self.buffer}, {start}, "
+                             f"{self.layer_stride}, {shape}, N_LAYERS)")
+            else:
+                stop = start + math.prod(param.shape)
+                lines.append(f"self.{param.attr} = {self.buffer}[{start}:{stop}].reshape({shape})")
+        return lines
+
+    def description(self) -> str:
+        def one(param: Param) -> str:
+            return f"{param.attr}({','.join(str(d) for d in param.shape)})"
+
+        parts = [one(p) for p in self.before]
+        if self.block:
+            parts.append(f"layers[{self.n_layers}]({' '.join(one(p) for p in self.block)})")
+        parts += [one(p) for p in self.after]
+        return " ".join(parts)
+
+    def buckets(self, graph: Graph) -> list[tuple[int, int]]:
+        """Gradient buckets in the order the backward finishes them (`schedule.ready_calls`):
+        for a decoder, the tail's parameters, each layer from the last, then the head's; for a
+        sequential model, each op's parameters from the last op."""
+        if graph.form == "sequential":
+            sizes = {p.attr: math.prod(p.shape) for p in self.before}
+            buckets = []
+            for op in reversed(graph.head):
+                attrs = [a for a in op.params.values() if a in sizes]
+                if attrs:
+                    buckets.append((min(self.start[a] for a in attrs),
+                                    max(self.start[a] + sizes[a] for a in attrs)))
+            return buckets
+        buckets = [(self.after_start, self.size)] if self.after else []
+        if self.block:
+            buckets += [(self.layer_start + l * self.layer_stride,
+                         self.layer_start + (l + 1) * self.layer_stride)
+                        for l in reversed(range(self.n_layers))]
+        if self.before:
+            buckets.append((0, self.layer_start))
+        return buckets
+
+
+def tensor_lines(layout: ParameterLayout) -> list[str]:
+    def entries(param: Param, index: str) -> list[str]:
+        lines = []
+        for name, first, last in param.tensors:
+            view = f"params.{param.attr}{index}"
+            if (first, last) != (0, param.shape[0]):
+                view += f"[{first}:{last}]"
+            key = f'f"{name}"' if "{l}" in name else f'"{name}"'
+            lines.append(f'table[{key}] = ({view}, "{param.init}", {param.fan_in})')
+        return lines
+
+    lines = [line for param in layout.before for line in entries(param, "")]
+    if layout.block:
+        lines.append("for l in range(N_LAYERS):")
+        lines += [f"    {line}" for param in layout.block for line in entries(param, "[l]")]
+    lines += [line for param in layout.after for line in entries(param, "")]
+    return lines
+
+
+def referenced(lines: list[str], root: str) -> set[str]:
+    return set(re.findall(rf"\b{root}\.(\w+)", "\n".join(lines)))
+
+
+def activation_lines(graph: Graph, layout: Layout) -> list[str]:
+    lines = []
+    for storage in graph.storages.values():
+        dtype = ", np.int64" if storage.dtype == "int64" else ""
+        if storage.scope == "stream":
+            lines.append(f"self.stream = zeros({shape_text(storage.shape, ('N_LAYERS + 1',))})"
+                         "  # the residual stream at each block's input, and the last output")
+            continue
+        per_layer = storage.scope == "block" and storage.name in layout.saved
+        lead = ("N_LAYERS",) if per_layer else ()
+        note = "  # saved per layer for the backward" if per_layer else ""
+        lines.append(f"self.{storage.name} = zeros({shape_text(storage.shape, lead)}{dtype}){note}")
+    for value in graph.values.values():
+        storage = graph.storages[value.storage]
+        if value.view and storage.scope != "stream":
+            per_layer = storage.scope == "block" and storage.name in layout.saved
+            lead = ("N_LAYERS",) if per_layer else ()
+            lines.append(f"self.{value.name} = "
+                         f"{view_text(value, f'self.{value.storage}', storage.shape, lead)}")
+    lines.append("self.targets = zeros(N, np.int64)")
+    return lines + logits_alias(graph)
+
+
+def gradient_lines(graph: Graph, layout: Layout, statements: Statements) -> list[str]:
+    used = referenced([*statements.backward_tail, *statements.backward_block,
+                       *statements.backward_head], "g")
+    lines = []
+    if any(s.scope == "stream" for s in graph.storages.values()):
+        lines.append(f"self.stream = zeros({shape_text(graph.storages['stream'].shape)})"
+                     "  # the residual stream's gradient, carried from layer to layer")
+    homes = layout.grad_storages()
+    for name in homes:
+        if name in used or any(layout.grad_home.get(graph.values[v].storage) == name
+                               for v in used if v in graph.values):
+            lines.append(f"self.{name} = zeros({shape_text(graph.storages[name].shape)})")
+    for name in sorted(used):
+        if name.startswith(("scratch_", "frozen_")) or name in homes or name == "stream":
+            continue
+        value = graph.values[name]
+        home = layout.grad_home[value.storage]
+        storage = graph.storages[value.storage]
+        note = "  # a residual join passes its gradient through" if (
+            home != value.storage and not value.view) else ""
+        lines.append(f"self.{name} = {view_text(value, f'self.{home}', storage.shape, ())}{note}")
+    for name in statements.scratch:
+        lines.append(f"self.scratch_{name} = zeros({shape_text(graph.values[name].shape)})"
+                     "  # where an adjoint writes before its result is added")
+    for param in graph.params:
+        if f"frozen_{param.attr}" in used:
+            lines.append(f"self.frozen_{param.attr} = zeros({shape_text(param.shape)})"
+                         "  # a frozen gain's gradient, computed by its kernel and never used")
+    return lines
+
+
+def decode_lines(graph: Graph, statements: Statements) -> list[str]:
+    used = referenced([*statements.decode_head, *statements.decode_block, *statements.decode_tail],
+                      "c")
+    needed = {graph.values[name].storage for name in used if name in graph.values}
+    lines = []
+    for storage in graph.storages.values():
+        if storage.scope == "stream":
+            shape = shape_text(storage.shape)
+            lines.append(f"self.stream_in, self.stream_out = zeros({shape}), zeros({shape})")
+        elif storage.name in needed:
+            dtype = ", np.int64" if storage.dtype == "int64" else ""
+            lines.append(f"self.{storage.name} = zeros({shape_text(storage.shape)}{dtype})")
+    for name in sorted(used):
+        value = graph.values.get(name)
+        if value is not None and value.view and graph.storages[value.storage].scope != "stream":
+            storage = graph.storages[value.storage]
+            lines.append(f"self.{name} = {view_text(value, f'self.{value.storage}', storage.shape, ())}")
+    return lines + logits_alias(graph)
+
+
+def logits_alias(graph: Graph) -> list[str]:
+    storage = graph.values[graph.logits].storage
+    return [] if storage == "logits" else [f"self.logits = self.{storage}"]
+
+
+def model_context(spec, spec_path: str, graph: Graph, layout: Layout, statements: Statements) -> dict:
+    params = ParameterLayout([p for p in graph.params if p.trainable], graph.n_layers)
+    frozen = ParameterLayout([p for p in graph.params if not p.trainable], graph.n_layers, "frozen")
+    decoder = isinstance(spec, DecoderModel)
+    constants = dict(graph.constants)
+    if decoder:
+        attentions = spec.attentions()
+        mlps = [item for item in _all_items(spec.block_items()) if item.layer.kind == "mlp"]
+        if len(attentions) == 1 and len(mlps) == 1:
+            # the block's one attention and one MLP, by the names Llama-family configs use
+            attention = attentions[0]
+            constants |= {"N_HEADS": attention.n_heads, "N_KV_HEADS": attention.n_kv_heads,
+                          "HEAD_DIM": attention.head_dim, "HIDDEN": mlps[0].layer.hidden}
+        # (kernel prefix, half the head_dim) of each RoPE table
+        constants["ROPE_TABLES"] = tuple(graph.rope_tables)
+        constants["ATTENTIONS"] = [
+            {"windows": graph.constants[cache["window"]], "n_kv_heads": cache["n_kv_heads"],
+             "head_dim": cache["head_dim"]} for cache in graph.attention_caches]
+    writer = Writer(graph, layout.saved)
+    fill = [f"c.fill({index}, l, {writer.activation(cache['k'])}, {writer.activation(cache['v'])}, T)"
+            for index, cache in enumerate(graph.attention_caches)]
+    class_constants = [name for name in constants
+                       if name in ("VOCAB", "MAX_SEQ_LEN", "ROPE_TABLES", "INPUT_DIM", "OUTPUT_DIM")]
+    buckets = params.buckets(graph)
+    return {
+        "spec_name": spec.name, "spec_path": spec_path, "form": graph.form,
+        "description": "a decoder" if decoder else "a sequential stack",
+        "constants": [(name, repr(value)) for name, value in constants.items()],
+        "laws": relied_on_laws(graph), "buckets": repr(buckets),
+        "per_layer": bool(params.block), "param_size": params.size, "layout": params.description(),
+        "param_views": params.view_lines(), "tensor_lines": tensor_lines(params),
+        "frozen_size": frozen.size, "frozen_views": frozen.view_lines(),
+        "frozen_tensor_lines": tensor_lines(frozen),
+        "tensors_function": "hf_tensors" if decoder else "named_tensors",
+        "activation_lines": activation_lines(graph, layout),
+        "gradient_lines": gradient_lines(graph, layout, statements),
+        "decode_lines": decode_lines(graph, statements) if decoder else [],
+        "base_class": "DecoderModel" if decoder else "SequentialModel",
+        "class_constants": class_constants,
+        "forward_head": statements.forward_head, "forward_block": statements.forward_block,
+        "forward_tail": statements.forward_tail, "backward_tail": statements.backward_tail,
+        "backward_block": statements.backward_block, "backward_head": statements.backward_head,
+        "decode_head": statements.decode_head, "decode_block": statements.decode_block,
+        "decode_tail": statements.decode_tail, "fill_lines": fill,
+    }
+
+
+def _all_items(items):
+    for item in items:
+        yield item
+        yield from _all_items(item.body)
+
+
+def render_model(spec, spec_path: str, graph: Graph, layout: Layout, statements: Statements) -> str:
+    context = model_context(spec, spec_path, graph, layout, statements)
+    return ENVIRONMENT.get_template("package/model.py.j2").render(**context)

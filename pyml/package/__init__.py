@@ -1,0 +1,1 @@
+"""What every generated package is built on: shared model classes and spec-independent kernels."""

@@ -1,0 +1,496 @@
+"""What every generated package is built on: device buffers, the flat parameter buffer, the
+model classes' spec-independent methods, AdamW and `train_step`.
+
+A generated `model.py` holds only what its spec specialises: the dims, the parameter layout and
+tensor names, the buffers its ops need, and the straight-line forward, backward and decoding
+passes (`run_forward`, `run_loss_and_backward`, `run_decode`). It subclasses `DecoderModel` or
+`SequentialModel` here and sets the class attributes they read. This module is hashed into every
+generated package's manifest, so a change here shows up in `pyml check`.
+"""
+
+# pyml first: its import sets the thread-pool policy that numpy's OpenBLAS reads when it loads
+import pyml  # noqa: F401, I001
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from pyml.errors import PymlError
+from pyml.runtime.safetensors_io import read_safetensors, write_safetensors
+
+IGNORED_TARGET = -100  # a target the loss skips, as torch's cross_entropy does
+
+
+def available_memory() -> int:
+    """Bytes of memory this process may still use: MemAvailable where the kernel reports it."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def require_memory(n_bytes: int, what: str) -> None:
+    """Refuse, before allocating, what the machine cannot hold."""
+    available = available_memory()
+    if n_bytes > available:
+        raise PymlError(
+            f"{what} needs {n_bytes / 2**30:.1f} GiB but {available / 2**30:.1f} GiB "
+            "of memory is available"
+        )
+
+
+def heads(array, start, stop):
+    """Heads start:stop of a (..., heads, head_dim) array, as a view: basic slices only, since
+    numba's device arrays take no Ellipsis; writes go through."""
+    return array[(slice(None),) * (array.ndim - 2) + (slice(start, stop),)]
+
+
+def layer_views(flat, start, stride, shape, n_layers):
+    """Views of one per-layer parameter in a flat buffer where each layer's parameters are
+    contiguous: layer l's starts at `start + l * stride`."""
+    size = math.prod(shape)
+    return [
+        flat[start + l * stride : start + l * stride + size].reshape(shape) for l in range(n_layers)
+    ]
+
+
+class Device:
+    """Allocation and transfer for one device; the kernels module does all arithmetic."""
+
+    def __init__(self, name, dtype, kernels_cpu, kernels_cuda):
+        if name not in ("cpu", "cuda"):
+            raise PymlError(f"unknown device '{name}' (expected cpu or cuda)")
+        if np.dtype(dtype) not in (np.float32, np.float64):
+            raise PymlError(f"unsupported dtype {np.dtype(dtype)} (expected float32 or float64)")
+        self.name, self.dtype = name, np.dtype(dtype)
+        if name == "cuda":
+            from numba import cuda
+
+            if not cuda.is_available():
+                raise PymlError("device 'cuda' requested but no CUDA GPU is available")
+            self.cuda, self.kernels = cuda, kernels_cuda()
+        else:
+            self.kernels = kernels_cpu()
+
+    def zeros(self, shape, dtype=None):
+        host = np.zeros(shape, dtype or self.dtype)
+        return host if self.name == "cpu" else self.cuda.to_device(host)
+
+    def to_device(self, host, out):
+        """Copy host data into the preallocated `out` (no allocation on the device)."""
+        if self.name == "cpu":
+            out[...] = host
+        else:
+            out.copy_to_device(np.ascontiguousarray(host, dtype=out.dtype))
+
+    def to_host(self, array):
+        return array if self.name == "cpu" else array.copy_to_host()
+
+    def zero(self, array):
+        if self.name == "cpu":
+            array.fill(0)
+        else:
+            array.copy_to_device(np.zeros(array.shape, array.dtype))
+
+
+def no_bucket_hook(bucket):
+    """The default `on_grads_ready`: nobody waits for gradients during the backward pass."""
+
+
+class Model:
+    """The spec-independent part of a generated model. Subclasses set `Parameters` (the views of
+    the flat buffer of trainable parameters and, for a LoRA model, of the frozen base weights),
+    `TENSOR_TABLE` (each trainable tensor's name in tensor files: its view, initialisation and
+    fan-in) and `FROZEN_TENSOR_TABLE` (the same for the frozen ones), `GRAD_BUCKETS`, `SPEC_NAME`
+    and the kernel modules, and define the passes and their buffers."""
+
+    FROZEN_TENSOR_TABLE = None
+
+    def __init__(self, dtype=np.float32, device="cpu"):
+        itemsize = np.dtype(dtype).itemsize if np.dtype(dtype) in (np.float32, np.float64) else 4
+        size, frozen = self.Parameters.SIZE, self.Parameters.FROZEN_SIZE
+        what = f"{size:,} parameters and their gradients" + (
+            f", and {frozen:,} frozen ones" if frozen else "")
+        require_memory((2 * size + frozen) * itemsize, f"spec '{self.SPEC_NAME}' ({what})")
+        self.device = Device(device, dtype, self.kernels_cpu, self.kernels_cuda)
+        self.params = self.Parameters(self.device.zeros(size),
+                                      self.device.zeros(frozen) if frozen else None)
+        self.grads = self.Parameters(self.device.zeros(size))
+        self.buffers = {}
+
+    @classmethod
+    def host_parameters(cls, dtype=np.float64):
+        """Zeroed host buffers with every parameter's view, frozen ones included."""
+        frozen = cls.Parameters.FROZEN_SIZE
+        return cls.Parameters(np.zeros(cls.Parameters.SIZE, dtype),
+                              np.zeros(frozen, dtype) if frozen else None)
+
+    @property
+    def grad_buckets(self):
+        """(start, stop) ranges of `grads.flat` in the order the backward pass makes them final."""
+        return list(self.GRAD_BUCKETS)
+
+    @classmethod
+    def initialized(cls, seed=0, dtype=np.float32, device="cpu"):
+        """Each tensor initialised as its `TENSOR_TABLE` entry says: N(0, 0.02) for decoder matrices (as
+        Hugging Face's Llama and Gemma), torch.nn.Linear's U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for
+        sequential ones, gains 1 (or 0 where the gain is 1 + w) and biases 0."""
+        model = cls(dtype, device)
+        rng = np.random.default_rng(seed)
+        host = {}
+        host_params = cls.host_parameters()
+        table = dict(cls.TENSOR_TABLE(host_params))
+        if cls.FROZEN_TENSOR_TABLE is not None:
+            table |= cls.FROZEN_TENSOR_TABLE(host_params)
+        for name, (view, init, fan_in) in table.items():
+            if init == "normal":
+                host[name] = rng.normal(0.0, 0.02, view.shape)
+            elif init == "uniform":
+                bound = 1.0 / math.sqrt(fan_in)
+                host[name] = rng.uniform(-bound, bound, view.shape)
+            else:
+                host[name] = np.ones(view.shape) if init == "ones" else np.zeros(view.shape)
+        model.load_tensors(host, "initialisation")
+        return model
+
+    @classmethod
+    def from_safetensors(cls, path, dtype=np.float32, device="cpu"):
+        """Load `path` (a model.safetensors file, or a folder holding one)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "model.safetensors"
+        model = cls(dtype, device)
+        model.load_tensors(read_safetensors(path), str(path))
+        return model
+
+    def load_tensors(self, tensors, source):
+        """Every parameter, trainable and frozen, from `tensors` ({name: array})."""
+        host = self.host_parameters(self.device.dtype)
+        expected = self.tensors(host)
+        check_tensors(tensors, expected, source, self.SPEC_NAME)
+        for name, view in expected.items():
+            view[...] = tensors[name]
+        self.device.to_device(host.flat, self.params.flat)
+        if host.frozen is not None:
+            self.device.to_device(host.frozen, self.params.frozen)
+
+    def host_tensors(self):
+        """Named host copies of the parameters, frozen ones included."""
+        frozen = self.params.frozen
+        return self.tensors(self.Parameters(
+            self.device.to_host(self.params.flat).copy(),
+            None if frozen is None else self.device.to_host(frozen).copy()))
+
+    @classmethod
+    def tensors(cls, params):
+        """The parameters in `params` under their names in tensor files (views); the frozen ones
+        too where `params` holds them."""
+        table = cls.TENSOR_TABLE(params)
+        if params.frozen is not None and cls.FROZEN_TENSOR_TABLE is not None:
+            table |= cls.FROZEN_TENSOR_TABLE(params)
+        return {name: entry[0] for name, entry in table.items()}
+
+    @classmethod
+    def from_base(cls, path, seed=0, dtype=np.float32, device="cpu"):
+        """A LoRA model: the frozen base weights from `path` (a model.safetensors file, or a folder
+        holding one, with the base model's tensor names) and the adapters initialised as the
+        `peft` library does (A uniform in +-1/sqrt(fan_in), B zero), seeded."""
+        if cls.FROZEN_TENSOR_TABLE is None:
+            raise PymlError(f"spec '{cls.SPEC_NAME}' has no [lora] table: load it with from_safetensors")
+        path = Path(path)
+        if path.is_dir():
+            path = path / "model.safetensors"
+        model = cls.initialized(seed, dtype, device)
+        model.load_tensors(model.adapter_tensors() | read_safetensors(path), str(path))
+        return model
+
+    def adapter_tensors(self):
+        """Host copies of the trainable tensors (a LoRA model's adapters), by name."""
+        host = self.Parameters(self.device.to_host(self.params.flat).copy())
+        return {name: entry[0] for name, entry in self.TENSOR_TABLE(host).items()}
+
+    def load_adapter_tensors(self, tensors, source):
+        """The trainable tensors (a LoRA model's adapters) from `tensors`; the frozen ones stay."""
+        host = self.Parameters(np.zeros(self.Parameters.SIZE, self.device.dtype))
+        expected = {name: entry[0] for name, entry in self.TENSOR_TABLE(host).items()}
+        check_tensors(tensors, expected, source, self.SPEC_NAME)
+        for name, view in expected.items():
+            view[...] = tensors[name]
+        self.device.to_device(host.flat, self.params.flat)
+
+    def to_safetensors(self, path):
+        write_safetensors(
+            path, {name: np.ascontiguousarray(t) for name, t in self.host_tensors().items()}
+        )
+
+
+class DecoderModel(Model):
+    """A decoder over token ids (B, T): training, logits, and decoding with a KV cache.
+    Subclasses also set `ROPE_TABLES`: (kernel prefix whose `_tables` fills the cos and sin of
+    one RoPE base, half the head_dim it rotates) per table."""
+
+    def __init__(self, dtype=np.float32, device="cpu"):
+        super().__init__(dtype, device)
+        self.rope = []  # (cos, sin) per table, (MAX_SEQ_LEN, half) on the device
+        for prefix, half in self.ROPE_TABLES:
+            cos = np.zeros((self.MAX_SEQ_LEN, half), self.device.dtype)
+            sin = np.zeros((self.MAX_SEQ_LEN, half), self.device.dtype)
+            getattr(self.kernels_cpu(), f"{prefix}_tables")(cos, sin)
+            tables = self.device.zeros(cos.shape), self.device.zeros(sin.shape)
+            self.device.to_device(cos, tables[0])
+            self.device.to_device(sin, tables[1])
+            self.rope.append(tables)
+
+    def buffers_for(self, B, T):
+        if T > self.MAX_SEQ_LEN:
+            raise PymlError(
+                f"sequence length {T} exceeds the spec's max_seq_len {self.MAX_SEQ_LEN}"
+            )
+        if (B, T) not in self.buffers:
+            self.buffers[(B, T)] = (
+                self.Activations(self.device, B, T),
+                self.Gradients(self.device, B, T),
+            )
+        return self.buffers[(B, T)]
+
+    def load_batch(self, ids, out, what):
+        ids = np.asarray(ids)
+        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+            raise PymlError(
+                f"{what} must be a 2-D integer array (B, T), got {ids.dtype} {ids.shape}"
+            )
+        if ids.size:
+            ignored = (ids == IGNORED_TARGET) if what == "targets" else np.zeros(ids.shape, bool)
+            if ((ids < 0) & ~ignored).any() or ids.max() >= self.VOCAB:
+                raise PymlError(f"{what} hold ids outside [0, {self.VOCAB})")
+        self.device.to_device(ids.reshape(-1), out)
+
+    def forward(self, input_ids):
+        """Logits (B, T, VOCAB) as a host array."""
+        B, T = np.shape(input_ids)
+        s, _ = self.buffers_for(B, T)
+        self.load_batch(input_ids, s.ids, "input_ids")
+        self.run_forward(s)
+        return self.device.to_host(s.logits).reshape(B, T, self.VOCAB)
+
+    def loss_and_grads(self, input_ids, targets, on_grads_ready=None):
+        """Mean cross-entropy of next-token `targets` (B, T); gradients land in `self.grads`.
+        `on_grads_ready(i)` is called as soon as `grad_buckets[i]` is final."""
+        if np.shape(targets) != np.shape(input_ids):
+            raise PymlError(
+                f"targets shape {np.shape(targets)} differs from input_ids shape {np.shape(input_ids)}"
+            )
+        B, T = np.shape(input_ids)
+        s, g = self.buffers_for(B, T)
+        self.load_batch(input_ids, s.ids, "input_ids")
+        self.load_batch(targets, s.targets, "targets")
+        self.run_forward(s)
+        return self.run_loss_and_backward(s, g, on_grads_ready or no_bucket_hook)
+
+    def start_decoding(self, prompt_ids, max_len):
+        """Run the prompt (B, T) through the model and return a cache for `max_len` positions
+        holding its keys and values, with the logits (B, VOCAB) of its last position."""
+        B, T = np.shape(prompt_ids)
+        if max_len > self.MAX_SEQ_LEN:
+            raise PymlError(f"{max_len} positions exceed the spec's max_seq_len {self.MAX_SEQ_LEN}")
+        if T > max_len:
+            raise PymlError(
+                f"the prompt has {T} tokens, more than the {max_len} positions asked for"
+            )
+        s, _ = self.buffers_for(B, T)
+        self.load_batch(prompt_ids, s.ids, "input_ids")
+        self.run_forward(s)
+        cache = self.DecodeBuffers(self.device, B, max_len)
+        self.fill_cache(s, cache, T)
+        cache.length = T
+        return cache, self.device.to_host(s.logits).reshape(B, T, self.VOCAB)[:, -1].copy()
+
+    def decode(self, cache, next_ids):
+        """Append one token per sequence (`next_ids`, (B,)) and return its logits (B, VOCAB):
+        the forward pass on one position, attending over the cache."""
+        if cache.length >= cache.max_len:
+            raise PymlError(f"the decoding cache is full ({cache.max_len} positions)")
+        self.load_batch(np.reshape(next_ids, (-1, 1)), cache.ids, "next_ids")
+        self.run_decode(cache, cache.length)
+        cache.length += 1
+        return self.device.to_host(cache.logits).copy()
+
+
+class KVCache:
+    """Keys and values of every attention layer: `keys[a][l]` is (B, slots, kv_heads, head_dim)
+    for attention a of layer l. A global layer has a slot per position; a sliding-window layer
+    holds only its window, position p in slot p % window (the softmax does not care about order)."""
+
+    def __init__(self, device, B, max_len, attentions):
+        self.max_len, self.length = max_len, 0
+        self.windows = [attention["windows"] for attention in attentions]
+        self.keys, self.values = [], []
+        for attention in attentions:
+            shapes = [(B, self.slot_count(window, max_len), attention["n_kv_heads"],
+                       attention["head_dim"]) for window in attention["windows"]]
+            self.keys.append([device.zeros(shape) for shape in shapes])
+            self.values.append([device.zeros(shape) for shape in shapes])
+
+    @staticmethod
+    def slot_count(window, max_len):
+        return min(window, max_len) if window else max_len
+
+    def cache_slot(self, attention, layer, position):
+        """(the slot position `position` is written to, how many slots hold positions)."""
+        window = self.windows[attention][layer]
+        if window:
+            return position % window, min(position + 1, window)
+        return position, position + 1
+
+    def fill(self, attention, layer, keys, values, n_tokens):
+        """Cache the prompt's keys and values, (B, T, kv_heads, head_dim), of positions
+        0..n_tokens-1; a sliding layer keeps the last `window` of them. At most two contiguous
+        copies per tensor (a window's slots wrap around once), so device arrays need no fancy
+        indexing."""
+        window = self.windows[attention][layer]
+        first = max(0, n_tokens - window) if window else 0
+        position = first
+        while position < n_tokens:
+            slot, _ = self.cache_slot(attention, layer, position)
+            count = min(n_tokens - position, (window - slot) if window else n_tokens - position)
+            for cache, source in ((self.keys, keys), (self.values, values)):
+                cache[attention][layer][:, slot : slot + count] = source[
+                    :, position : position + count
+                ]
+            position += count
+
+
+class SequentialModel(Model):
+    """A classifier over feature rows (B, INPUT_DIM)."""
+
+    def buffers_for(self, B):
+        if B not in self.buffers:
+            self.buffers[B] = (
+                self.Activations(self.device, B, 1),
+                self.Gradients(self.device, B, 1),
+            )
+        return self.buffers[B]
+
+    def load_inputs(self, inputs):
+        inputs = np.asarray(inputs)
+        if inputs.ndim != 2 or inputs.shape[1] != self.INPUT_DIM:
+            raise PymlError(f"inputs must be (B, {self.INPUT_DIM}), got {inputs.shape}")
+        if not np.isfinite(inputs).all():
+            raise PymlError("inputs hold non-finite values")
+        s, g = self.buffers_for(inputs.shape[0])
+        self.device.to_device(inputs, s.inputs)
+        return s, g
+
+    def forward(self, inputs):
+        """Logits (B, OUTPUT_DIM) as a host array."""
+        s, _ = self.load_inputs(inputs)
+        self.run_forward(s)
+        return self.device.to_host(s.logits).copy()
+
+    def loss_and_grads(self, inputs, targets, on_grads_ready=None):
+        """Mean cross-entropy of class `targets` (B,); gradients land in `self.grads`.
+        `on_grads_ready(i)` is called as soon as `grad_buckets[i]` is final."""
+        targets = np.asarray(targets)
+        if targets.shape != (np.shape(inputs)[0],) or not np.issubdtype(targets.dtype, np.integer):
+            raise PymlError(
+                f"targets must be ({np.shape(inputs)[0]},) integers, got {targets.dtype} {targets.shape}"
+            )
+        if targets.size and (targets.min() < 0 or targets.max() >= self.OUTPUT_DIM):
+            raise PymlError(f"targets hold classes outside [0, {self.OUTPUT_DIM})")
+        s, g = self.load_inputs(inputs)
+        self.device.to_device(targets, s.targets)
+        self.run_forward(s)
+        return self.run_loss_and_backward(s, g, on_grads_ready or no_bucket_hook)
+
+
+class AdamW:
+    """torch.optim.AdamW's update (decoupled weight decay, bias correction, eps added after the
+    square root), as one fused kernel over the flat parameter buffer."""
+
+    def __init__(
+        self, model, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, max_grad_norm=None
+    ):
+        self.model = model
+        self.lr, self.betas, self.eps = lr, betas, eps
+        self.weight_decay, self.max_grad_norm = weight_decay, max_grad_norm
+        size = model.params.flat.shape[0]
+        require_memory(
+            2 * size * model.device.dtype.itemsize, f"AdamW's state for {size:,} parameters"
+        )
+        self.exp_avg = model.device.zeros(size)
+        self.exp_avg_sq = model.device.zeros(size)
+        self.step_count = 0
+
+    def step(self):
+        k, grads = self.model.device.kernels, self.model.grads.flat
+        if self.max_grad_norm is not None:
+            # torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when below 1
+            norm = k.adamw_grad_norm(grads)
+            factor = self.max_grad_norm / (norm + 1e-6)
+            if factor < 1.0:
+                k.adamw_scale(grads, factor)
+        self.step_count += 1
+        k.adamw_step(
+            self.model.params.flat,
+            grads,
+            self.exp_avg,
+            self.exp_avg_sq,
+            self.lr,
+            self.betas[0],
+            self.betas[1],
+            self.eps,
+            self.weight_decay,
+            self.step_count,
+        )
+
+    def state(self):
+        """Host copies of the optimizer state, for checkpoints."""
+        device = self.model.device
+        return {
+            "exp_avg": device.to_host(self.exp_avg),
+            "exp_avg_sq": device.to_host(self.exp_avg_sq),
+        }
+
+    def load_state(self, state, step_count):
+        self.model.device.to_device(state["exp_avg"], self.exp_avg)
+        self.model.device.to_device(state["exp_avg_sq"], self.exp_avg_sq)
+        self.step_count = step_count
+
+
+def train_step(model, optimizer, inputs, targets):
+    """Loss and gradients, then one optimizer step; a non-finite loss leaves the weights as they
+    were and raises."""
+    loss = model.loss_and_grads(inputs, targets)
+    if not math.isfinite(loss):
+        raise PymlError(
+            f"non-finite loss ({loss}) at optimizer step {optimizer.step_count + 1}; "
+            "weights left unchanged"
+        )
+    optimizer.step()
+    return loss
+
+
+def check_tensors(tensors, expected, source, spec_name):
+    """Every expected tensor present with its shape; nothing unexpected."""
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise PymlError(
+            f"{source}: missing tensor(s) {', '.join(missing[:3])}"
+            + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        )
+    unexpected = sorted(set(tensors) - set(expected))
+    if unexpected:
+        raise PymlError(
+            f"{source}: unexpected tensor(s) {', '.join(unexpected[:3])} for spec '{spec_name}'"
+        )
+    for name, view in expected.items():
+        if tuple(tensors[name].shape) != tuple(view.shape):
+            raise PymlError(
+                f"{source}: tensor {name} has shape {tuple(tensors[name].shape)}, "
+                f"spec '{spec_name}' expects {tuple(view.shape)}"
+            )

@@ -1,0 +1,159 @@
+"""The spec-independent CUDA kernels every generated CUDA kernel module re-exports: AdamW over the
+flat parameter buffer, and the element-wise joins of the residual stream and of gradients."""
+
+import math
+
+import numpy as np
+from numba import cuda
+
+# AdamW adamw (CUDA) over flat 1-D buffers, one thread per element, with torch.optim.AdamW's
+# single-tensor arithmetic (see the CPU template for the torch lines each step mirrors).
+ADAMW_THREADS = 256
+# grad_norm: this many blocks each reduce a fixed strided share; the host sums them in order
+ADAMW_NORM_BLOCKS = 64
+ADAMW_PARTIAL = []
+
+
+@cuda.jit
+def adamw_step_kernel(
+    params,
+    grads,
+    exp_avg,
+    exp_avg_sq,
+    decay,
+    beta1_weight,
+    beta2,
+    one_minus_beta2,
+    step_size,
+    bias_correction2_sqrt,
+    eps,
+):
+    i = cuda.grid(1)
+    if i < params.size:
+        grad = grads[i]
+        param = params[i] * decay
+        if beta1_weight < 0.5:
+            m = exp_avg[i] + beta1_weight * (grad - exp_avg[i])
+        else:
+            m = grad - (grad - exp_avg[i]) * (1.0 - beta1_weight)
+        v = exp_avg_sq[i] * beta2 + one_minus_beta2 * grad * grad
+        exp_avg[i] = m
+        exp_avg_sq[i] = v
+        denom = math.sqrt(exp_avg_sq[i]) / bias_correction2_sqrt + eps
+        params[i] = param + (-step_size) * (exp_avg[i] / denom)
+
+
+def adamw_step(params, grads, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step):
+    # params, grads, exp_avg, exp_avg_sq are (P,) device buffers, updated in place; step counts from 1
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = bias_correction2**0.5
+    blocks = (params.size + ADAMW_THREADS - 1) // ADAMW_THREADS
+    adamw_step_kernel[blocks, ADAMW_THREADS](
+        params,
+        grads,
+        exp_avg,
+        exp_avg_sq,
+        1 - lr * weight_decay,
+        1 - beta1,
+        beta2,
+        1 - beta2,
+        step_size,
+        bias_correction2_sqrt,
+        eps,
+    )
+
+
+@cuda.jit
+def adamw_sum_squares_kernel(grads, partial_out):
+    partial = cuda.shared.array(ADAMW_THREADS, np.float64)
+    tid = cuda.threadIdx.x
+    acc = 0.0
+    for i in range(cuda.grid(1), grads.size, ADAMW_THREADS * ADAMW_NORM_BLOCKS):
+        acc += np.float64(grads[i]) * np.float64(grads[i])
+    partial[tid] = acc
+    cuda.syncthreads()
+    stride = ADAMW_THREADS // 2
+    while stride > 0:
+        if tid < stride:
+            partial[tid] += partial[tid + stride]
+        cuda.syncthreads()
+        stride //= 2
+    if tid == 0:
+        partial_out[cuda.blockIdx.x] = partial[0]
+
+
+def adamw_grad_norm(grads):
+    # grads is (P,); the global L2 norm accumulated in float64, as a Python float
+    if not ADAMW_PARTIAL:
+        ADAMW_PARTIAL.append(cuda.device_array(ADAMW_NORM_BLOCKS, dtype=np.float64))
+    partial = ADAMW_PARTIAL[0]
+    adamw_sum_squares_kernel[ADAMW_NORM_BLOCKS, ADAMW_THREADS](grads, partial)
+    total = 0.0
+    for value in partial.copy_to_host():
+        total += float(value)
+    return math.sqrt(total)
+
+
+@cuda.jit
+def adamw_scale_kernel(grads, factor):
+    i = cuda.grid(1)
+    if i < grads.size:
+        grads[i] *= factor
+
+
+def adamw_scale(grads, factor):
+    # grads is (P,), multiplied in place by factor (gradient clipping)
+    adamw_scale_kernel[(grads.size + ADAMW_THREADS - 1) // ADAMW_THREADS, ADAMW_THREADS](
+        grads, factor
+    )
+
+
+JOIN_THREADS = 256
+
+
+@cuda.jit
+def residual_add_kernel(x, r, out):
+    i = cuda.grid(1)
+    if i < x.size:
+        out[i] = x[i] + r[i]
+
+
+@cuda.jit
+def add_into_kernel(total, part):
+    i = cuda.grid(1)
+    if i < total.size:
+        total[i] += part[i]
+
+
+@cuda.jit
+def copy_into_kernel(out, source):
+    i = cuda.grid(1)
+    if i < out.size:
+        out[i] = source[i]
+
+
+def residual_add(x, r, out):
+    # a residual join: out = x + r on contiguous arrays of any shape; out may alias x.
+    # Lean law residual_adjoint: its adjoint passes the output gradient to both x and r.
+    n = x.size
+    residual_add_kernel[(n + JOIN_THREADS - 1) // JOIN_THREADS, JOIN_THREADS](
+        x.reshape(n), r.reshape(n), out.reshape(n)
+    )
+
+
+def add_into(total, part):
+    # a fan-out's adjoint (Lean law residual_adjoint): total += part, contiguous, same shape
+    n = total.size
+    add_into_kernel[(n + JOIN_THREADS - 1) // JOIN_THREADS, JOIN_THREADS](
+        total.reshape(n), part.reshape(n)
+    )
+
+
+def copy_into(out, source):
+    # out = source (a gradient that the adjoint wrote elsewhere), contiguous, same shape
+    n = out.size
+    copy_into_kernel[(n + JOIN_THREADS - 1) // JOIN_THREADS, JOIN_THREADS](
+        out.reshape(n), source.reshape(n)
+    )

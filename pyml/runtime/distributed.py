@@ -1,0 +1,345 @@
+"""Data-parallel training on MPI: `pyml train` under `mpiexec -n N` (or `srun`), or `--ranks N`.
+
+Every rank holds a replica of the model and draws the same deterministic order of global batches;
+rank r trains on rows [B r / N, B (r + 1) / N) of each, and the ranks' gradients are combined
+(`pyml.runtime.gradient_exchange`) before the optimizer step. A rank's gradient is the mean over
+its own counted targets (a target of -100 is not counted), so rank r is weighted by its share of
+the batch's counted targets: the combined gradient and loss are one rank's mean over the whole
+batch. Only rank 0 writes checkpoints, the progress bar, the loss curve and logs; a checkpoint
+holds the whole state, so a run saved with N ranks resumes with any number.
+
+Nothing here imports mpi4py (or numpy) unless a launcher started several ranks: with one rank
+`process_group` gives `SingleProcess` and training runs as it always has.
+
+Faults. Once per step the ranks agree: rank 0 gathers a short status from every rank, within a
+timeout, and sends all of them back. A rank whose step failed (bad data, a non-finite loss, any
+exception) makes every rank stop there, weights unchanged, and rank 0 prints one line naming it; a
+Ctrl-C or SIGTERM that reached any rank makes every rank stop after that step, and rank 0 saves
+once. A rank that sends nothing within the timeout is named by rank 0, which ends the job. An error
+only one rank sees outside a step (a checkpoint rank 0 cannot write) ends the job through
+MPI_Abort, after that rank prints one line naming itself. A rank that dies is reported by the MPI
+launcher, which ends the job. Checkpoints are written whole or not at all
+(`pyml.runtime.checkpoint`), so the last complete one survives all of these.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import shutil
+import signal
+import sys
+import time
+import traceback
+from contextlib import ExitStack, contextmanager, redirect_stdout
+from pathlib import Path
+
+from pyml.errors import PymlError
+
+# What launchers set to the number of ranks they started: MPICH's and Intel MPI's hydra, Open MPI,
+# MVAPICH, and Slurm's srun.
+WORLD_SIZE_VARIABLES = (
+    "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS"
+)  # fmt: skip
+# Thread pools of one rank (Numba's OpenMP, numpy's and SciPy's OpenBLAS): the cores of a machine
+# are shared out among the ranks on it, unless the user set these.
+THREAD_VARIABLES = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+DEFAULT_PEER_TIMEOUT = 300.0  # seconds: above a checkpoint save or an evaluation on rank 0
+ABORT_GRACE = 2.0  # seconds another rank waits before aborting: rank 0, failing alike, speaks first
+STATUS_TAG, STATUSES_TAG = 1, 2
+
+
+def launched_world_size() -> int:
+    """How many ranks the launcher that started this process started (1 without one)."""
+    for name in WORLD_SIZE_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 1
+
+
+class GroupError(PymlError):
+    """An error that every rank raises alike, after the ranks agreed on it."""
+
+
+class PeerSilent(Exception):
+    """Another rank sent nothing within the timeout: it died or hangs. Not a PymlError: it is no
+    fault of the step in flight, and it ends the job (`MpiWorld.abort`)."""
+
+
+def describe(error: BaseException) -> str:
+    if isinstance(error, PymlError):
+        return str(error)
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+class SingleProcess:
+    """Training in one process, exactly as without MPI."""
+
+    is_root = True
+    ranks = 1
+    stop_signals = (signal.SIGINT,)
+
+    def check_batch(self, batch: int) -> None:
+        pass
+
+    def optimizer(self, package, model, **options):
+        return package.AdamW(model, **options)
+
+    def train_step(self, package, model, optimizer, inputs, targets, stop) -> float:
+        return package.train_step(model, optimizer, inputs, targets)
+
+    def save_checkpoint(self, out: Path, model, optimizer, state: dict) -> Path:
+        from pyml.runtime.checkpoint import save_checkpoint
+
+        return save_checkpoint(out, model, optimizer, state)
+
+
+class GatheredOptimizer:
+    """A sharded optimizer's state gathered on rank 0, as `save_checkpoint` reads an optimizer."""
+
+    def __init__(self, state: dict, step_count: int):
+        self._state, self.step_count = state, step_count
+
+    def state(self) -> dict:
+        return self._state
+
+
+class DataParallel:
+    """This process as rank `world.rank` of `world.size`, each training on its slice of the batch."""
+
+    stop_signals = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, world: MpiWorld, shard_optimizer: bool):
+        self.world, self.shard_optimizer = world, shard_optimizer
+        self.is_root, self.ranks = world.rank == 0, world.size
+        self.exchange = None
+
+    def check_batch(self, batch: int) -> None:
+        if batch < self.ranks:  # the same on every rank: each raises it alike
+            raise GroupError(
+                f"--batch {batch} is smaller than the {self.ranks} ranks: every rank needs at "
+                "least one row of each batch"
+            )
+
+    def optimizer(self, package, model, **options):
+        from pyml.runtime.gradient_exchange import GradientExchange, ShardedAdamW
+
+        self.exchange = GradientExchange(self.world, model, self.shard_optimizer)
+        if self.shard_optimizer:
+            return ShardedAdamW(model, self.exchange, **options)
+        return package.AdamW(model, **options)
+
+    def train_step(self, package, model, optimizer, inputs, targets, stop) -> float:
+        """One step of the global batch (inputs, targets), the same on every rank; returns its
+        loss. Sets `stop.requested` when a stop signal reached any rank."""
+        import numpy as np
+
+        from pyml.runtime.train import IGNORED_TARGET
+
+        world, exchange, step = self.world, self.exchange, optimizer.step_count + 1
+        world.context = f"at step {step}"
+        bounds = [len(inputs) * r // world.size for r in range(world.size + 1)]
+        counted = [int(np.count_nonzero(targets[a:b] != IGNORED_TARGET)) for a, b in
+                   zip(bounds, bounds[1:])]  # fmt: skip
+        total = sum(counted)
+        exchange.start_step([count / total if total else 0.0 for count in counted])
+        mine = slice(bounds[world.rank], bounds[world.rank + 1])
+        failure = None
+        try:
+            loss = model.loss_and_grads(
+                inputs[mine], targets[mine], on_grads_ready=exchange.bucket_ready
+            )
+        except Exception as error:  # bad data or a bug on this rank: every rank drops the step
+            loss, failure = math.nan, describe(error)
+        exchange.all_buckets_ready()  # those a failure left unreported: the same collectives
+        if failure is None and counted[world.rank] and not math.isfinite(loss):
+            failure = f"non-finite loss ({loss}) at optimizer step {step}; weights left unchanged"
+        statuses = world.allgather_objects((loss, failure, stop.requested), exchange.progress)
+        exchange.finish()
+        failures = [f"rank {r}: {failed}" for r, (_, failed, _) in enumerate(statuses) if failed]
+        if failures:
+            raise GroupError("; ".join(failures))
+        if not total:
+            raise GroupError(
+                f"every target of the batch at optimizer step {step} is ignored (-100): the loss "
+                "is not defined; weights left unchanged"
+            )
+        optimizer.step()
+        stop.requested = any(requested for _, _, requested in statuses)
+        # the batch's mean loss: each rank's mean weighted by its counted targets, in rank order
+        return sum(count * rank_loss for count, (rank_loss, _, _) in zip(counted, statuses)
+                   if count) / total  # fmt: skip
+
+    def save_checkpoint(self, out: Path, model, optimizer, state: dict) -> Path:
+        """Rank 0 writes the checkpoint (a sharded optimizer's state gathered first, with every
+        rank's help); every rank learns whether it was written."""
+        from pyml.runtime.checkpoint import checkpoint_name, save_checkpoint
+
+        world = self.world
+        world.context = f"while saving the checkpoint of step {state['step']}"
+        if self.shard_optimizer:
+            gathered = optimizer.gathered_state()
+            optimizer = GatheredOptimizer(gathered, optimizer.step_count) if gathered else None
+        failure = None
+        if self.is_root:
+            try:
+                save_checkpoint(out, model, optimizer, state)
+            except PymlError as error:
+                failure = str(error)
+        (failure, *_) = world.allgather_objects(failure)
+        if failure:
+            raise GroupError(f"rank 0: {failure}")
+        return Path(out) / checkpoint_name(state["step"])
+
+
+class MpiWorld:
+    """The ranks of MPI_COMM_WORLD, and the waiting on them: every wait polls, so that a rank that
+    died or hangs ends in an error after `peer_timeout` seconds instead of a hang."""
+
+    def __init__(self, peer_timeout: float):
+        import mpi4py
+
+        mpi4py.rc.thread_level = "funneled"  # only the main thread calls MPI
+        from mpi4py import MPI
+
+        self.MPI, self.peer_timeout = MPI, peer_timeout
+        self.comm = MPI.COMM_WORLD.Dup()
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.context = "while starting"  # where the ranks are, for the timeout messages
+        ranks_here = self.comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
+        threads = max(1, len(os.sched_getaffinity(0)) // ranks_here)
+        for name in THREAD_VARIABLES:
+            os.environ.setdefault(name, str(threads))
+
+    def wait_until(self, done, silence: str, timeout: float | None = None, idle=None) -> None:
+        """Poll `done()` (and `idle()`, which advances other work) until it is true; raise
+        PeerSilent with `silence` once `timeout` (default `peer_timeout`) seconds have passed."""
+        timeout = self.peer_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while not done():
+            if idle is not None:
+                idle()
+            if time.monotonic() > deadline:
+                raise PeerSilent(f"{silence} within {timeout:g} s: it died or hangs")
+            os.sched_yield()  # the peers may need this core
+
+    def wait_for(self, requests, what: str) -> None:
+        self.wait_until(
+            lambda: self.MPI.Request.Testall(requests),
+            f"{what} {self.context} did not complete: a rank sent nothing",
+        )
+
+    def allgather_floats(self, values, what: str) -> list[float]:
+        import numpy as np
+
+        mine = np.asarray(values, np.float64)
+        everyone = np.empty(self.size * len(mine))
+        self.wait_for([self.comm.Iallgather(mine, everyone)], what)
+        return everyone.tolist()
+
+    def allgather_objects(self, payload, idle=None) -> list:
+        """Every rank's `payload`, in rank order, on every rank. Point to point through rank 0, so
+        that rank 0 can name a rank that sends nothing."""
+        comm = self.comm
+        if self.rank != 0:
+            request = comm.isend(payload, dest=0, tag=STATUS_TAG)
+            # twice the timeout: when another rank is silent, rank 0 names it first
+            self.wait_until(lambda: comm.iprobe(source=0, tag=STATUSES_TAG),
+                            f"rank 0 sent nothing {self.context}", 2 * self.peer_timeout, idle)  # fmt: skip
+            statuses = comm.recv(source=0, tag=STATUSES_TAG)
+            request.wait()
+            return statuses
+        received = {0: payload}
+
+        def all_received() -> bool:
+            for rank in range(1, self.size):
+                if rank not in received and comm.iprobe(source=rank, tag=STATUS_TAG):
+                    received[rank] = comm.recv(source=rank, tag=STATUS_TAG)
+            return len(received) == self.size
+
+        try:
+            self.wait_until(all_received, "", idle=idle)
+        except PeerSilent:
+            silent = ", ".join(str(r) for r in range(self.size) if r not in received)
+            raise PeerSilent(
+                f"rank {silent} sent nothing {self.context} within {self.peer_timeout:g} s: "
+                "it died or hangs"
+            ) from None
+        statuses = [received[rank] for rank in range(self.size)]
+        self.MPI.Request.waitall(
+            [comm.isend(statuses, dest=rank, tag=STATUSES_TAG) for rank in range(1, self.size)]
+        )
+        return statuses
+
+    def abort(self, error: BaseException) -> None:
+        """End every rank of the job after one line about `error`, raised on this rank alone."""
+        if self.rank != 0:
+            time.sleep(ABORT_GRACE)
+        if isinstance(error, PeerSilent):
+            line = f"error: {error}; stopping every rank"
+        else:
+            if not isinstance(error, (PymlError, KeyboardInterrupt)):
+                traceback.print_exception(error)  # a bug: its traceback, then the line
+            line = f"error: rank {self.rank}: {describe(error)}; stopping every rank"
+        print(line, file=sys.stderr, flush=True)
+        self.MPI.COMM_WORLD.Abort(2)  # MPICH adds a line of its own: "Abort(2) on node ..."
+
+
+@contextmanager
+def process_group(shard_optimizer: bool = False, peer_timeout: float | None = None):
+    """This process's part in training: `SingleProcess`, or a rank of `DataParallel` when a launcher
+    started several. On a rank, an error agreed by all (GroupError) is printed once, by rank 0, and
+    every rank exits with status 2; any other error ends the whole job (`MpiWorld.abort`)."""
+    if launched_world_size() == 1:
+        yield SingleProcess()
+        return
+    if importlib.util.find_spec("mpi4py") is None:
+        raise PymlError(
+            f"this process is one of {launched_world_size()} ranks, but mpi4py is not installed: "
+            "pip install mpi4py (built against the MPI that launched it)"
+        )
+    world = MpiWorld(peer_timeout or DEFAULT_PEER_TIMEOUT)
+    try:
+        with ExitStack() as stack:
+            if world.rank != 0:  # logs and the summary come from rank 0 alone
+                stack.enter_context(redirect_stdout(stack.enter_context(open(os.devnull, "w"))))
+            yield DataParallel(world, shard_optimizer)
+    except GroupError:
+        if world.rank == 0:
+            raise
+        raise SystemExit(2) from None
+    except (Exception, KeyboardInterrupt) as error:
+        world.abort(error)
+
+
+def launch(ranks: int, arguments: list[str]) -> None:
+    """Replace this process with `mpiexec -n RANKS python -m pyml.cli ARGUMENTS` (the command line
+    of `pyml`, less its --ranks), so that Ctrl-C and SIGTERM reach mpiexec, which forwards them to
+    every rank."""
+    if launched_world_size() > 1:
+        raise PymlError("--ranks starts its own mpiexec: leave it out under mpiexec or srun")
+    if importlib.util.find_spec("mpi4py") is None:
+        raise PymlError("--ranks needs mpi4py and an MPI: pip install mpi4py mpich")
+    beside_python = Path(sys.executable).parent / "mpiexec"  # the mpich wheel's, in a venv
+    mpiexec = str(beside_python) if beside_python.exists() else shutil.which("mpiexec")
+    if mpiexec is None:
+        raise PymlError("--ranks needs mpiexec: pip install mpich, or load your site's MPI")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    command = [mpiexec, "-n", str(ranks), sys.executable, "-m", "pyml.cli"]
+    os.execv(mpiexec, command + without_option(arguments, "--ranks"))
+
+
+def without_option(arguments: list[str], name: str) -> list[str]:
+    """`arguments` without `name VALUE` or `name=VALUE`."""
+    kept, skip = [], False
+    for argument in arguments:
+        if skip:
+            skip = False
+        elif argument == name:
+            skip = True
+        elif not argument.startswith(f"{name}="):
+            kept.append(argument)
+    return kept

@@ -1,0 +1,451 @@
+"""What a llama or gemma3 GGUF means: its hyper-parameters, tensors, Hugging Face form and spec.
+
+A GGUF names its architecture in `general.architecture` and keeps the hyper-parameters under
+`{architecture}.*` metadata keys; what the file does not state, llama.cpp fixes per architecture
+(gemma3: five sliding-window layers to every global one, a RoPE base of 10000 on the sliding
+ones, the embedding scaled by sqrt(hidden)), and so do we. Each architecture here turns the
+metadata into checked dimensions and those into: the tensors the file must hold (GGUF name ->
+Hugging Face name and shape), the change that takes a GGUF tensor to its Hugging Face value, the
+Hugging Face config.json, and the pyml spec of the model.
+
+The two changes llama.cpp's converter (convert_hf_to_gguf.py) makes, which we undo:
+- llama: the Q and K rows of each head are reordered so that rotary pairs are neighbours
+  (its `permute`); Hugging Face rotates the halves of each head, so we put the rows back.
+- gemma3: Gemma's RMSNorm multiplies by (1 + w); the converter stores 1 + w so that llama.cpp can
+  multiply by the stored gain, and transformers' GGUF loader subtracts 1 again (in float32). We do
+  the same, so our weights equal transformers'. Gemma's Q and K rows are not reordered: llama.cpp
+  rotates gemma3 in the NEOX (halves) layout, as Hugging Face does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from pyml.errors import PymlError
+from pyml.runtime.gguf_read import GGUFFile
+
+SUPPORTED = ("llama", "gemma3")
+
+# GGUF -> Hugging Face names of the tensors outside the blocks, for both architectures.
+GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",  # absent when the head is tied to the embedding
+}
+
+
+@dataclass(frozen=True)
+class LlamaDims:
+    """What the GGUF's metadata says about a llama model's dimensions."""
+
+    hidden: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    context_length: int
+    rms_norm_eps: float
+    rope_theta: float
+
+
+@dataclass(frozen=True)
+class Gemma3Dims(LlamaDims):
+    """A gemma3 model's dimensions: a llama's, plus its sliding-window attention and scales."""
+
+    sliding_window: int
+    sliding_pattern: int  # layer l attends globally when (l + 1) % sliding_pattern == 0
+    rope_local_theta: float  # the RoPE base of the sliding-window layers
+    query_pre_attn_scalar: int  # attention scores are scaled by its inverse square root
+
+
+class Metadata:
+    """Typed, checked reads of a GGUF's `{architecture}.*` hyper-parameters."""
+
+    def __init__(self, gguf: GGUFFile, architecture: str):
+        self.gguf = gguf
+        self.prefix = architecture + "."
+
+    def fail(self, message: str) -> PymlError:
+        return PymlError(f"{self.gguf.path}: {message}")
+
+    def has(self, key: str) -> bool:
+        return self.prefix + key in self.gguf.metadata
+
+    def integer(self, key: str, default: int | None = None) -> int:
+        value = self.gguf.metadata.get(self.prefix + key, default)
+        if type(value) is not int or value <= 0:
+            raise self.fail(f"{self.prefix}{key} is {value!r}, not a positive integer")
+        return value
+
+    def real(self, key: str, default: float | None = None) -> float:
+        value = self.gguf.metadata.get(self.prefix + key, default)
+        if type(value) is not float or not value > 0 or math.isinf(value):
+            raise self.fail(f"{self.prefix}{key} is {value!r}, not a positive number")
+        # Stored as float32: write the shortest decimal that reads back as that float32
+        # (1e-05, not 9.999999747378752e-06), which is what the model's authors wrote.
+        return float(str(np.float32(value)))
+
+    def refuse(self, key: str, what: str, allowed: object = None) -> None:
+        """Fail if the file sets `key` to anything but `allowed`: a feature pyml lacks."""
+        value = self.gguf.metadata.get(self.prefix + key, allowed)
+        if value != allowed:
+            raise self.fail(f"{what} is not supported ({self.prefix}{key} is {value!r})")
+
+
+def architecture_of(gguf: GGUFFile) -> Llama:
+    """The architecture the GGUF declares, with its dimensions read and checked."""
+    architecture = gguf.metadata.get("general.architecture")
+    if architecture == "llama":
+        return Llama(gguf)
+    if architecture == "gemma3":
+        return Gemma3(gguf)
+    raise PymlError(
+        f"{gguf.path}: architecture {architecture!r} is not supported (only {', '.join(SUPPORTED)})"
+    )
+
+
+class Llama:
+    """A llama-architecture GGUF (Llama, SmolLM2, ...): a pre-norm SwiGLU decoder."""
+
+    name = "llama"
+    hf_class = "LlamaForCausalLM"
+    # GGUF name within block i ("blk.{i}.") -> Hugging Face name within "model.layers.{i}.".
+    block_names = {
+        "attn_norm.weight": "input_layernorm.weight",
+        "attn_q.weight": "self_attn.q_proj.weight",
+        "attn_k.weight": "self_attn.k_proj.weight",
+        "attn_v.weight": "self_attn.v_proj.weight",
+        "attn_output.weight": "self_attn.o_proj.weight",
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+        "ffn_gate.weight": "mlp.gate_proj.weight",
+        "ffn_up.weight": "mlp.up_proj.weight",
+        "ffn_down.weight": "mlp.down_proj.weight",
+    }
+
+    def __init__(self, gguf: GGUFFile):
+        self.path = gguf.path
+        self.dims = self.read_dims(Metadata(gguf, self.name), gguf)
+
+    def read_dims(self, meta: Metadata, gguf: GGUFFile) -> LlamaDims:
+        return LlamaDims(**self.common_dims(meta, gguf))
+
+    def common_dims(self, meta: Metadata, gguf: GGUFFile) -> dict[str, object]:
+        """The fields of LlamaDims, which both architectures store under the same keys."""
+        hidden = meta.integer("embedding_length")
+        n_heads = meta.integer("attention.head_count")
+        n_kv_heads = meta.integer("attention.head_count_kv")
+        if meta.has("attention.key_length"):
+            head_dim = meta.integer("attention.key_length")
+        elif hidden % n_heads == 0:
+            head_dim = hidden // n_heads
+        else:
+            raise meta.fail(f"{hidden} hidden units do not split into {n_heads} heads")
+        if meta.integer("attention.value_length", head_dim) != head_dim:
+            raise meta.fail("attention value length differs from the key length")
+        if n_heads % n_kv_heads:
+            raise meta.fail(f"{n_heads} heads do not share {n_kv_heads} key/value heads")
+        if head_dim % 2:
+            raise meta.fail(f"head size {head_dim} is odd; rotary embeddings need pairs")
+        if meta.integer("rope.dimension_count", head_dim) != head_dim:
+            raise meta.fail("rotary embeddings on part of each head are not supported")
+        meta.refuse("rope.scaling.type", "rope scaling", allowed="none")
+
+        tokens = gguf.metadata.get("tokenizer.ggml.tokens")
+        if not isinstance(tokens, list):
+            raise meta.fail("tokenizer.ggml.tokens is missing or not a list of strings")
+        vocab = meta.integer("vocab_size", len(tokens))
+        if vocab != len(tokens):
+            raise meta.fail(f"vocab size {vocab} differs from the {len(tokens)} tokens listed")
+        return dict(
+            hidden=hidden,
+            n_layers=meta.integer("block_count"),
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            head_dim=head_dim,
+            ffn=meta.integer("feed_forward_length"),
+            vocab=vocab,
+            context_length=meta.integer("context_length"),
+            rms_norm_eps=meta.real("attention.layer_norm_rms_epsilon"),
+            rope_theta=meta.real("rope.freq_base", 1e4),  # llama.cpp's default
+        )
+
+    # -- tensors
+
+    def block_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor of one block (GGUF name within it) and its shape in Hugging Face layout."""
+        dims = self.dims
+        q_rows, kv_rows = dims.n_heads * dims.head_dim, dims.n_kv_heads * dims.head_dim
+        return {
+            "attn_norm.weight": (dims.hidden,),
+            "attn_q.weight": (q_rows, dims.hidden),
+            "attn_k.weight": (kv_rows, dims.hidden),
+            "attn_v.weight": (kv_rows, dims.hidden),
+            "attn_output.weight": (dims.hidden, q_rows),
+            "ffn_norm.weight": (dims.hidden,),
+            "ffn_gate.weight": (dims.ffn, dims.hidden),
+            "ffn_up.weight": (dims.ffn, dims.hidden),
+            "ffn_down.weight": (dims.hidden, dims.ffn),
+        }
+
+    def expected_shapes(self, tied: bool) -> dict[str, tuple[int, ...]]:
+        """Every tensor the file must hold (GGUF names) and its shape in Hugging Face layout."""
+        dims = self.dims
+        shapes = {
+            "token_embd.weight": (dims.vocab, dims.hidden),
+            "output_norm.weight": (dims.hidden,),
+        }
+        if not tied:
+            shapes["output.weight"] = (dims.vocab, dims.hidden)
+        block = self.block_shapes()
+        for layer in range(dims.n_layers):
+            shapes.update({f"blk.{layer}.{name}": shape for name, shape in block.items()})
+        return shapes
+
+    def hf_name(self, gguf_name: str) -> str:
+        """The Hugging Face name of one of the file's (checked) tensor names."""
+        if gguf_name in GLOBAL_NAMES:
+            return GLOBAL_NAMES[gguf_name]
+        _, layer, within = gguf_name.split(".", 2)
+        return f"model.layers.{layer}.{self.block_names[within]}"
+
+    def hf_weight(self, gguf_name: str, weight: np.ndarray) -> np.ndarray:
+        """The Hugging Face value of a decoded GGUF tensor."""
+        within = gguf_name.split(".", 2)[-1]
+        if within == "attn_q.weight":
+            return unpermute_rotary_rows(weight, self.dims.n_heads)
+        if within == "attn_k.weight":
+            return unpermute_rotary_rows(weight, self.dims.n_kv_heads)
+        return weight
+
+    def describe_dims(self) -> str:
+        dims = self.dims
+        return (
+            f"hidden {dims.hidden}, {dims.n_heads} heads, {dims.n_kv_heads} kv heads of "
+            f"{dims.head_dim}, ffn {dims.ffn}, vocab {dims.vocab}"
+        )
+
+    # -- what we write
+
+    def hf_config(self, tied: bool) -> dict[str, object]:
+        """config.json without the special token ids: the Hugging Face LlamaConfig."""
+        dims = self.dims
+        return {
+            "architectures": [self.hf_class],
+            "model_type": "llama",
+            "hidden_size": dims.hidden,
+            "intermediate_size": dims.ffn,
+            "num_hidden_layers": dims.n_layers,
+            "num_attention_heads": dims.n_heads,
+            "num_key_value_heads": dims.n_kv_heads,
+            "head_dim": dims.head_dim,
+            "vocab_size": dims.vocab,
+            "max_position_embeddings": dims.context_length,
+            "rms_norm_eps": dims.rms_norm_eps,
+            "rope_theta": dims.rope_theta,
+            "tie_word_embeddings": tied,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "torch_dtype": "float32",
+        }
+
+    def spec(self, name: str, tied: bool) -> dict[str, object]:
+        """The pyml spec of the model, as the data a spec file holds (the decoder shorthand)."""
+        dims = self.dims
+        norm = {"dim": dims.hidden, "eps": dims.rms_norm_eps}
+        return {
+            "name": name,
+            "form": "decoder",
+            "max_seq_len": dims.context_length,
+            "embedding": {"vocab_size": dims.vocab, "dim": dims.hidden},
+            "block": {
+                "count": dims.n_layers,
+                "attn_norm": dict(norm),
+                "attention": {
+                    "dim": dims.hidden,
+                    "n_heads": dims.n_heads,
+                    "n_kv_heads": dims.n_kv_heads,
+                    "head_dim": dims.head_dim,
+                    "rope": {"theta": dims.rope_theta},
+                },
+                "mlp_norm": dict(norm),
+                "mlp": {"dim": dims.hidden, "hidden": dims.ffn},
+            },
+            "final_norm": dict(norm),
+            "lm_head": {"dim": dims.hidden, "vocab_size": dims.vocab, "tied": tied},
+        }
+
+
+class Gemma3(Llama):
+    """A gemma3-architecture GGUF (the text model of Gemma 3): pre- and post-norms around
+    attention and MLP, QK-norm, GeGLU, unit-offset RMSNorm, a scaled embedding and
+    sliding-window attention on five of every six layers."""
+
+    name = "gemma3"
+    hf_class = "Gemma3ForCausalLM"
+    block_names = {
+        "attn_norm.weight": "input_layernorm.weight",
+        "attn_q.weight": "self_attn.q_proj.weight",
+        "attn_k.weight": "self_attn.k_proj.weight",
+        "attn_v.weight": "self_attn.v_proj.weight",
+        "attn_q_norm.weight": "self_attn.q_norm.weight",
+        "attn_k_norm.weight": "self_attn.k_norm.weight",
+        "attn_output.weight": "self_attn.o_proj.weight",
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "ffn_gate.weight": "mlp.gate_proj.weight",
+        "ffn_up.weight": "mlp.up_proj.weight",
+        "ffn_down.weight": "mlp.down_proj.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    }
+    # llama.cpp's constants for gemma3 (llama-model.cpp): what the file does not store.
+    SLIDING_PATTERN = 6
+    ROPE_LOCAL_THETA = 10000.0
+    LAYERS_OF_27B = 62  # the one size whose scores are scaled by hidden / heads, not head_dim
+
+    def read_dims(self, meta: Metadata, gguf: GGUFFile) -> Gemma3Dims:
+        common = self.common_dims(meta, gguf)
+        meta.refuse("attn_logit_softcapping", "attention logit soft-capping")
+        meta.refuse("final_logit_softcapping", "final logit soft-capping")
+        if common["n_layers"] == self.LAYERS_OF_27B:
+            query_pre_attn_scalar = common["hidden"] // common["n_heads"]
+        else:
+            query_pre_attn_scalar = common["head_dim"]
+        return Gemma3Dims(
+            **common,
+            sliding_window=meta.integer("attention.sliding_window"),
+            sliding_pattern=self.SLIDING_PATTERN,
+            rope_local_theta=self.ROPE_LOCAL_THETA,
+            query_pre_attn_scalar=query_pre_attn_scalar,
+        )
+
+    def block_shapes(self) -> dict[str, tuple[int, ...]]:
+        dims = self.dims
+        shapes = super().block_shapes()
+        shapes.update({
+            "attn_q_norm.weight": (dims.head_dim,),
+            "attn_k_norm.weight": (dims.head_dim,),
+            "post_attention_norm.weight": (dims.hidden,),
+            "post_ffw_norm.weight": (dims.hidden,),
+        })
+        return shapes
+
+    def hf_weight(self, gguf_name: str, weight: np.ndarray) -> np.ndarray:
+        if gguf_name.endswith("norm.weight"):
+            return weight - np.float32(1)  # the file holds 1 + w; see the module docstring
+        return weight
+
+    def is_sliding(self, layer: int) -> bool:
+        return (layer + 1) % self.dims.sliding_pattern != 0
+
+    def hf_config(self, tied: bool) -> dict[str, object]:
+        """config.json without the special token ids: the Hugging Face Gemma3TextConfig.
+
+        `rope_theta` and `rope_local_base_freq` are the keys every Gemma 3 config on the Hub
+        has; transformers 5 reads them into its `rope_parameters`.
+        """
+        dims = self.dims
+        return {
+            "architectures": [self.hf_class],
+            "model_type": "gemma3_text",
+            "hidden_size": dims.hidden,
+            "intermediate_size": dims.ffn,
+            "num_hidden_layers": dims.n_layers,
+            "num_attention_heads": dims.n_heads,
+            "num_key_value_heads": dims.n_kv_heads,
+            "head_dim": dims.head_dim,
+            "vocab_size": dims.vocab,
+            "max_position_embeddings": dims.context_length,
+            "rms_norm_eps": dims.rms_norm_eps,
+            "rope_theta": dims.rope_theta,
+            "rope_local_base_freq": dims.rope_local_theta,
+            "sliding_window": dims.sliding_window,
+            "layer_types": [
+                "sliding_attention" if self.is_sliding(layer) else "full_attention"
+                for layer in range(dims.n_layers)
+            ],
+            "query_pre_attn_scalar": dims.query_pre_attn_scalar,
+            "hidden_activation": "gelu_pytorch_tanh",
+            "final_logit_softcapping": None,
+            "attn_logit_softcapping": None,
+            "attention_bias": False,
+            "tie_word_embeddings": tied,
+            "torch_dtype": "float32",
+        }
+
+    def spec(self, name: str, tied: bool) -> dict[str, object]:
+        """The pyml spec of the model: a block composed of two residuals, named as Hugging Face
+        names the layers so that the tensor names follow."""
+        dims = self.dims
+
+        def norm(layer_name: str) -> dict[str, object]:
+            return {
+                "kind": "rmsnorm",
+                "name": layer_name,
+                "dim": dims.hidden,
+                "eps": dims.rms_norm_eps,
+                "unit_offset": True,
+            }
+
+        attention: dict[str, object] = {
+            "kind": "attention",
+            "name": "self_attn",
+            "dim": dims.hidden,
+            "n_heads": dims.n_heads,
+            "n_kv_heads": dims.n_kv_heads,
+            "head_dim": dims.head_dim,
+            "rope": {"theta": dims.rope_theta},
+        }
+        scale = dims.query_pre_attn_scalar**-0.5
+        if scale != dims.head_dim**-0.5:
+            attention["scale"] = scale
+        attention["qk_norm"] = {"eps": dims.rms_norm_eps, "unit_offset": True}
+        sliding = {"window": dims.sliding_window, "rope_theta": dims.rope_local_theta}
+        attention["pattern"] = [
+            dict(sliding) if self.is_sliding(layer) else {}
+            for layer in range(dims.sliding_pattern)
+        ]
+        mlp = {"kind": "mlp", "name": "mlp", "dim": dims.hidden, "hidden": dims.ffn,
+               "activation": "geglu"}
+        return {
+            "name": name,
+            "form": "decoder",
+            "max_seq_len": dims.context_length,
+            # Gemma multiplies the embedding by sqrt(hidden), as transformers computes it.
+            "embedding": {"vocab_size": dims.vocab, "dim": dims.hidden, "scale": dims.hidden**0.5},
+            "block": {
+                "count": dims.n_layers,
+                "layers": [
+                    {"kind": "residual", "body": [
+                        norm("input_layernorm"), attention, norm("post_attention_layernorm"),
+                    ]},
+                    {"kind": "residual", "body": [
+                        norm("pre_feedforward_layernorm"), mlp, norm("post_feedforward_layernorm"),
+                    ]},
+                ],
+            },
+            "final_norm": {"dim": dims.hidden, "eps": dims.rms_norm_eps, "unit_offset": True},
+            "lm_head": {"dim": dims.hidden, "vocab_size": dims.vocab, "tied": tied},
+        }
+
+
+def unpermute_rotary_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's reordering of a Q or K projection's rows (n_heads: its number of heads).
+
+    Hugging Face rotates the two halves of each head (i, i + d/2) together; llama.cpp rotates
+    neighbours (2i, 2i + 1) in llama models, so its converter reorders each head's rows with
+        w.reshape(n_heads, 2, d // 2, cols).swapaxes(1, 2).reshape(w.shape)
+    which this inverts.
+    """
+    rows = weight.shape[0]
+    head_dim = rows // n_heads
+    return np.ascontiguousarray(
+        weight.reshape(n_heads, head_dim // 2, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
