@@ -10,7 +10,7 @@ SPECS := $(wildcard specs/*.toml)
 export NUMBA_CACHE_DIR ?= $(CURDIR)/.numba_cache
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup demo test test-fast test-slow gen check prove bench lint mutants clean
+.PHONY: setup demo test test-fast test-slow gen check prove bench bench-llamacpp lint mutants clean
 
 setup: $(STAMP)
 
@@ -87,6 +87,11 @@ prove: $(STAMP)
 bench: $(STAMP) $(MODEL)/model.safetensors
 	$(BIN)/pyml bench train --compile
 	$(BIN)/pyml bench generate
+
+# llama.cpp as a third system in `make bench` (bench/generate.py runs it when it is importable).
+# The registry has only its source: pip builds it with the machine's compiler, a few minutes.
+bench-llamacpp: $(STAMP)
+	$(BIN)/pip install --quiet llama-cpp-python==0.3.36
 
 lint: $(STAMP)
 	$(BIN)/ruff check pyml tests bench

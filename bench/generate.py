@@ -1,14 +1,20 @@
-"""Generation speed: `pyml generate`'s path against Hugging Face transformers' `generate`.
+"""Generation speed: `pyml generate`'s path against Hugging Face transformers and llama.cpp.
 
-Same weights (the shipped GGUF of `--model`, SmolLM2-135M-Instruct by default or Gemma 3 270M;
-transformers loads SmolLM2's GGUF itself, and Gemma's from the imported folder, which holds the
-weights its GGUF loader gives bit for bit in a fraction of the minutes that loader takes), the same
-prompt (in the chat template where the model has one; Gemma 3 270M is a base model), greedy
-decoding with a KV cache on both sides, and the same new tokens (checked). Prefill
-tokens/s is the prompt length over the time to the first logits; decode tokens/s counts the tokens
-after the first. Each system runs in a process of its own (PyTorch's OpenMP threads, spinning
-after each of its calls, would otherwise starve pyml's kernels), once to warm up, then `--repeats`
-times; medians are reported.
+Same weights (the shipped GGUF of `--model`, SmolLM2-135M-Instruct by default or Gemma 3 270M:
+pyml imports it, llama.cpp loads it itself, and transformers loads SmolLM2's GGUF itself and Gemma's
+from the imported folder, which holds the weights its GGUF loader gives bit for bit in a fraction of
+the minutes that loader takes), the same prompt as token ids (in the chat template where the model
+has one; Gemma 3 270M is a base model), greedy decoding with a KV cache, the same
+number of new tokens (at most; a system stops at an end-of-sequence token). Prefill tokens/s is the
+prompt length over the time to the first logits; decode tokens/s counts the tokens after the first.
+Each system runs in a process of its own, started from the environment this script was started
+with (pyml puts its thread-pool policy in force itself; PyTorch's OpenMP threads, spinning after
+each of its calls, would otherwise starve pyml's kernels), once to warm up, then `--repeats` times;
+medians are reported, with each process's peak resident memory. llama.cpp runs when
+`llama-cpp-python` is importable (`make bench-llamacpp` installs it): on all cores, its KV cache
+cleared before every run so that its prefill is measured. pyml's tokens must equal transformers'
+(the benchmark fails otherwise); llama.cpp's are reported as the number of leading tokens that
+equal transformers' (its integer dot products round differently).
 
     python bench/generate.py [--model smollm2|gemma3] [--new-tokens 64] [--repeats 3]
 
@@ -20,11 +26,13 @@ from __future__ import annotations
 import os
 
 # Captured before anything imports pyml (which sets thread-pool variables on import): each system's
-# process starts from the environment the user gave, pyml's with pyml's thread settings added.
+# process starts from the environment the user gave.
 START_ENVIRONMENT = dict(os.environ)
 
 import argparse  # noqa: E402
+import importlib.util  # noqa: E402
 import json  # noqa: E402
+import resource  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -37,6 +45,8 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+SYSTEMS = {"ours": "pyml (float32, Numba CPU)", "transformers": "transformers (PyTorch eager)",
+           "llamacpp": "llama.cpp (llama-cpp-python, Q4_1 as shipped)"}
 
 
 def ours_run(model, ids, new_tokens, stop):
@@ -68,6 +78,52 @@ def transformers_run(model, ids, new_tokens):
     return out, prefill, max(total - prefill, 1e-9)
 
 
+def llamacpp_model(gguf: Path, n_ctx: int, n_batch: int, threads: int):
+    """llama.cpp on the shipped GGUF. Its extra buffer types are off: with them, llama-cpp-python
+    0.3.36 built for this machine (AVX-512, AMX) crashed in ggml_backend_amx_mul_mat on its first
+    decode (2026-12-01); without them it runs its AVX-512 VNNI dot products."""
+    import llama_cpp.llama_cpp as bindings
+    from llama_cpp import Llama
+
+    defaults = bindings.llama_model_default_params
+
+    def without_extra_buffer_types():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    bindings.llama_model_default_params = without_extra_buffer_types  # Llama() reads it
+    try:
+        return Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=n_batch,
+                     n_threads=threads, n_threads_batch=threads, verbose=False)
+    finally:
+        bindings.llama_model_default_params = defaults
+
+
+def llamacpp_run(model, ids, new_tokens, stop):
+    def next_token():
+        # the logits of the last token evaluated (the only ones computed: logits_all is off)
+        return int(np.argmax(np.ctypeslib.as_array(model._ctx.get_logits(), shape=(model.n_vocab(),))))
+
+    model.reset()
+    model._ctx.kv_cache_clear()  # no prompt cache: the prompt is evaluated from scratch
+    started = time.perf_counter()
+    model.eval(ids)
+    out = [next_token()]
+    prefill = time.perf_counter() - started
+    started = time.perf_counter()
+    while len(out) < new_tokens and out[-1] not in stop:
+        model.eval([out[-1]])
+        out.append(next_token())
+    return out, prefill, time.perf_counter() - started
+
+
+def thread_pools() -> list[str]:
+    from threadpoolctl import threadpool_info
+
+    return sorted({f"{pool['prefix']}:{pool['num_threads']}" for pool in threadpool_info()})
+
+
 def run_system(system: str, model_name: str, new_tokens: int, repeats: int) -> dict:
     """Timings and tokens of one system, in this process."""
     from train_step import MODELS, ensure_model  # run as a script, bench/ is on sys.path
@@ -83,6 +139,11 @@ def run_system(system: str, model_name: str, new_tokens: int, repeats: int) -> d
         model = generation.load_model(model_dir, ROOT / "specs" / f"{bench_model.spec}.toml")
         stop = generation.eos_ids(model_dir)
         run = lambda: ours_run(model, ids, new_tokens, stop)  # noqa: E731
+    elif system == "llamacpp":
+        gguf = importlib.import_module(bench_model.shipped).shipped_gguf_path()
+        model = llamacpp_model(gguf, len(ids) + new_tokens, len(ids), os.cpu_count())
+        stop = generation.eos_ids(model_dir)
+        run = lambda: llamacpp_run(model, ids, new_tokens, stop)  # noqa: E731
     else:
         import torch
         from transformers import AutoModelForCausalLM
@@ -103,7 +164,19 @@ def run_system(system: str, model_name: str, new_tokens: int, repeats: int) -> d
             runs.append((len(ids) / prefill, (len(out) - 1) / decode))
     return {"prompt_tokens": len(ids), "tokens": out,
             "prefill_tokens_per_s": statistics.median(r[0] for r in runs),
-            "decode_tokens_per_s": statistics.median(r[1] for r in runs)}
+            "decode_tokens_per_s": statistics.median(r[1] for r in runs),
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "thread_pools": thread_pools()}
+
+
+def leading_agreement(tokens: list[int], reference: list[int]) -> int:
+    """How many leading tokens of `tokens` equal `reference`'s."""
+    count = 0
+    for token, expected in zip(tokens, reference):
+        if token != expected:
+            break
+        count += 1
+    return count
 
 
 def main() -> None:
@@ -111,45 +184,47 @@ def main() -> None:
     parser.add_argument("--model", choices=["smollm2", "gemma3"], default="smollm2")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--system", choices=["ours", "transformers"], help=argparse.SUPPRESS)
+    parser.add_argument("--system", choices=list(SYSTEMS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.system:
         print(json.dumps(run_system(args.system, args.model, args.new_tokens, args.repeats)))
         return
 
-    from pyml import THREAD_POOL_ENVIRONMENT
-
-    environments = {"ours": {**THREAD_POOL_ENVIRONMENT, **START_ENVIRONMENT},
-                    "transformers": START_ENVIRONMENT}
+    systems = ["ours", "transformers"] + (["llamacpp"] if importlib.util.find_spec("llama_cpp") else [])
     results = {}
-    for system in ("ours", "transformers"):
+    for system in systems:
         child = subprocess.run([sys.executable, __file__, "--system", system, "--model", args.model,
                                 "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)],
-                               env=environments[system], capture_output=True, text=True)
+                               env=START_ENVIRONMENT, capture_output=True, text=True)
         if child.returncode != 0:
             last_line = (child.stderr.strip().splitlines() or ["no output"])[-1]
             raise SystemExit(f"error: the {system} run failed: {last_line}")
         results[system] = json.loads(child.stdout.strip().splitlines()[-1])
-    ours, theirs = results["ours"]["tokens"], results["transformers"]["tokens"]
-    same = ours == theirs[: len(ours)]
+    reference = results["transformers"]["tokens"]
+    same = results["ours"]["tokens"] == reference[: len(results["ours"]["tokens"])]
     report = {
         "model": args.model, "date": date.today().isoformat(),
-        "prompt_tokens": results["ours"]["prompt_tokens"],
-        "new_tokens": len(ours), "outputs_identical": same,
-        "systems": {name: {key: result[key] for key in ("prefill_tokens_per_s", "decode_tokens_per_s")}
+        "prompt_tokens": results["ours"]["prompt_tokens"], "new_tokens": len(results["ours"]["tokens"]), "outputs_identical": same,
+        "systems": {name: {"name": SYSTEMS[name],
+                           "leading_tokens_equal_to_transformers": leading_agreement(result["tokens"], reference),
+                           **{key: result[key] for key in ("prefill_tokens_per_s", "decode_tokens_per_s",
+                                                           "peak_rss_mib", "thread_pools", "tokens")}}
                     for name, result in results.items()},
-        "thread_environment": {system: {name: environment[name] for name in THREAD_POOL_ENVIRONMENT
-                                        if name in environment}
-                               for system, environment in environments.items()},
     }
     title = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "Gemma 3 270M"}[args.model]
     lines = [f"{title} generation, greedy with a KV cache, {report['date']}: "
              f"{report['prompt_tokens']} prompt tokens, {report['new_tokens']} new tokens, "
-             f"outputs identical: {same}.",
-             "", "| system | prefill tokens/s | decode tokens/s |", "| --- | --- | --- |"]
-    for name, result in report["systems"].items():
-        lines.append(f"| {name} | {result['prefill_tokens_per_s']:.1f} | {result['decode_tokens_per_s']:.1f} |")
-    lines += ["", f"Thread-pool environment per system: {report['thread_environment']}."]
+             f"pyml's tokens identical to transformers': {same}.",
+             "", "| system | prefill tokens/s | decode tokens/s | peak RSS MiB | leading tokens equal to transformers' |",
+             "| --- | --- | --- | --- | --- |"]
+    for result in report["systems"].values():
+        lines.append(f"| {result['name']} | {result['prefill_tokens_per_s']:.1f} | "
+                     f"{result['decode_tokens_per_s']:.1f} | {result['peak_rss_mib']:.0f} | "
+                     f"{result['leading_tokens_equal_to_transformers']} of {len(result['tokens'])} |")
+    lines += [""] + [f"Thread pools, {result['name']}: {result['thread_pools']}."
+                     for result in report["systems"].values()]
+    if "llamacpp" not in results:
+        lines += ["", "llama.cpp not run: `make bench-llamacpp` installs llama-cpp-python."]
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = "generate" if args.model == "smollm2" else f"generate_{args.model}"
     (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -4,15 +4,17 @@ Protocol: the real weights of `--model` (SmolLM2-135M-Instruct by default, or Ge
 imported from the shipped GGUF), batches of
 2 x 128 tokens of the default corpus (CPython's reference documentation), AdamW. Every system starts
 from the same weights and sees the same batches. Each system lives in a worker process of its own,
-started with the environment this script was started with (pyml's thread-pool settings apply only
-in pyml's worker, which sets them on import; PyTorch keeps its defaults). Each round asks each
-worker in turn for 2 warm-up steps and then 10 timed steps; 3 rounds, so systems alternate while
-the idle one waits. PyTorch eager's steps spread widely here (1.8-2.9 s within one run), so 10 timed
-steps a round rather than 5 keep its median from hanging on a few slow steps. Reported: median, min
-and max step time over all timed steps (every step's time is in the JSON), the loss of
-every step (systems must agree within 1e-3 relative), each worker's peak resident memory, and the
-GEMM floor (the step's matrix-product FLOPs at the float32 GEMM rate numpy reaches on this machine,
-in this run).
+started with the environment this script was started with: pyml puts its thread-pool policy in
+force itself when it is imported (after numpy, here, as in most users' programs); PyTorch keeps its
+defaults. One more worker is the case most users are in: torch imported before pyml, and a PyTorch
+training loop in the same process; for each batch it runs a PyTorch eager step and then pyml's, and
+reports both. Each round asks each worker in turn for 2 warm-up steps and then 10 timed steps;
+3 rounds, so systems alternate while the idle one waits. PyTorch eager's steps spread widely here
+(1.8-2.9 s within one run), so 10 timed steps a round rather than 5 keep its median from hanging on
+a few slow steps. Reported: median, min and max step time over all timed steps (every step's time
+is in the JSON), the loss of every step (systems must agree within 1e-3 relative), each worker's
+peak resident memory, and the GEMM floor (the step's matrix-product FLOPs at the float32 GEMM rate
+numpy reaches on this machine, in this run).
 
     python bench/train_step.py [--model smollm2|gemma3] [--rounds 3] [--steps 10] [--compile]
 
@@ -138,7 +140,45 @@ class Torch:
         return loss.item()
 
 
-SYSTEMS = {"ours": Ours, "torch": Torch, "compile": lambda model: Torch(model, compiled=True)}
+def timed(runner, inputs, targets) -> tuple[float, float]:
+    started = time.perf_counter()
+    loss = runner.step(inputs, targets)
+    return loss, time.perf_counter() - started
+
+
+class Alone:
+    """One system in its worker: each batch gives its (loss, seconds) under the system's key."""
+
+    def __init__(self, key: str, make):
+        self.key, self.runner = key, make()
+        self.names = {key: self.runner.name}
+
+    def timed_step(self, inputs, targets) -> dict[str, tuple[float, float]]:
+        return {self.key: timed(self.runner, inputs, targets)}
+
+
+class Together:
+    """torch imported before pyml, then a PyTorch eager step and pyml's step on each batch."""
+
+    def __init__(self, model: BenchModel):
+        import sys
+
+        assert "pyml" not in sys.modules, "this worker must import torch before pyml"
+        import torch  # noqa: F401
+
+        self.torch, self.ours = Torch(model), Ours(model)
+        self.names = {"ours_beside_torch": "pyml, torch imported first, PyTorch training alongside",
+                      "torch_beside_ours": "PyTorch eager, pyml training alongside"}
+
+    def timed_step(self, inputs, targets) -> dict[str, tuple[float, float]]:
+        return {"torch_beside_ours": timed(self.torch, inputs, targets),
+                "ours_beside_torch": timed(self.ours, inputs, targets)}
+
+
+WORKERS = {"ours": lambda model: Alone("ours", lambda: Ours(model)),
+           "torch": lambda model: Alone("torch", lambda: Torch(model)),
+           "compile": lambda model: Alone("compile", lambda: Torch(model, compiled=True)),
+           "together": Together}
 
 
 def model_spec(model: BenchModel):
@@ -182,35 +222,25 @@ def gemm_rate(model: BenchModel) -> float:
     return 2 * a.shape[0] * a.shape[1] * b.shape[1] / best
 
 
-def worker(system: str, model: str, connection) -> None:
-    """Load `system` with `model`, then answer each list of batches with (loss, seconds) per step;
-    on None, answer with the peak resident memory (MiB) and the thread pools, and stop."""
-    runner = SYSTEMS[system](MODELS[model])
+def worker(kind: str, model: str, connection) -> None:
+    """Load the systems of `kind` with `model`, send their row names, then answer each list of batches with
+    {row: (loss, seconds)} per step; on None, answer with the peak resident memory (MiB) and the
+    thread pools, and stop."""
+    systems = WORKERS[kind](MODELS[model])
+    connection.send(systems.names)
     while (batches := connection.recv()) is not None:
-        results = []
-        for inputs, targets in batches:
-            started = time.perf_counter()
-            loss = runner.step(inputs, targets)
-            results.append((loss, time.perf_counter() - started))
-        connection.send(results)
-    connection.send((runner.name, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                     thread_counts()))
+        connection.send([systems.timed_step(inputs, targets) for inputs, targets in batches])
+    connection.send((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, thread_counts()))
 
 
-def start_worker(context, system: str, model: str):
-    """A worker for `system`, with the start environment; pyml's worker also gets the thread-pool
-    settings pyml makes on import, since in a spawned child numpy loads before pyml does."""
-    from pyml import THREAD_POOL_ENVIRONMENT
-
+def start_worker(context, kind: str, model: str):
+    """A worker for `kind` on `model`, started with the environment this script was started with."""
     parent_end, child_end = context.Pipe()
     current = dict(os.environ)
     os.environ.clear()
     os.environ.update(START_ENVIRONMENT)  # a spawned child inherits os.environ as it is now
-    if system == "ours":
-        os.environ.update({name: value for name, value in THREAD_POOL_ENVIRONMENT.items()
-                           if name not in START_ENVIRONMENT})
     try:
-        process = context.Process(target=worker, args=(system, model, child_end), daemon=True)
+        process = context.Process(target=worker, args=(kind, model, child_end), daemon=True)
         process.start()
     finally:
         os.environ.clear()
@@ -238,6 +268,9 @@ def markdown(report: dict) -> str:
         lines.append(f"| {result['name']} | {result['median_s']:.3f} | {result['min_s']:.3f} | "
                      f"{result['max_s']:.3f} | {result['median_s'] / eager:.2f} | "
                      f"{result['peak_rss_mib']:.0f} |")
+    lines += ["", "Ratio to eager: to the PyTorch eager worker of its own. The two systems of the "
+              "shared worker (one process, torch imported first) share its peak RSS; pyml's median "
+              f"there is {report['ratio_beside_torch']:.2f}x the eager steps of that same process."]
     lines += [""] + [f"Threads, {result['name']}: {result['threads']}."
                      for result in report["systems"].values()]
     lines += ["", f"GEMM floor: {report['gemm_floor_s']:.3f} s ({report['matmul_gflop']:.0f} GFLOP at "
@@ -257,25 +290,27 @@ def main() -> None:
     model = MODELS[args.model]
     ensure_model(model)
 
-    names = ["ours", "torch"] + (["compile"] if args.compile else [])
+    kinds = ["ours", "torch", "together"] + (["compile"] if args.compile else [])
     per_round = args.warmup + args.steps
     batches = corpus_batches(args.rounds * per_round, model)
     context = multiprocessing.get_context("spawn")
-    workers = {name: start_worker(context, name, args.model) for name in names}
-    times = {name: [] for name in names}
-    losses = {name: [] for name in names}
+    workers = {kind: start_worker(context, kind, args.model) for kind in kinds}
+    rows = {kind: connection.recv() for kind, (_, connection) in workers.items()}  # {row: name}
+    times = {row: [] for names in rows.values() for row in names}
+    losses = {row: [] for row in times}
     for round_index in range(args.rounds):
-        for name, (_, connection) in workers.items():
+        for kind, (_, connection) in workers.items():
             connection.send(batches[round_index * per_round:(round_index + 1) * per_round])
             results = connection.recv()
-            losses[name] += [loss for loss, _ in results]
-            times[name] += [seconds for _, seconds in results[args.warmup:]]
-            print(f"round {round_index + 1}: {name}: median {statistics.median(times[name]):.3f} s/step",
-                  flush=True)
+            for row in rows[kind]:
+                losses[row] += [step[row][0] for step in results]
+                times[row] += [step[row][1] for step in results[args.warmup:]]
+                print(f"round {round_index + 1}: {row}: median {statistics.median(times[row]):.3f} "
+                      "s/step", flush=True)
     finals = {}
-    for name, (process, connection) in workers.items():
+    for kind, (process, connection) in workers.items():
         connection.send(None)
-        finals[name] = connection.recv()
+        finals[kind] = connection.recv()
         process.join()
 
     flops, rate = matmul_flops(model), gemm_rate(model)
@@ -293,17 +328,20 @@ def main() -> None:
                      "transformers": transformers.__version__},
         "protocol": {"batch": B, "seq": T, "lr": model.lr, "rounds": args.rounds, "warmup": args.warmup,
                      "timed_steps_per_round": args.steps},
-        "systems": {name: {"name": finals[name][0], "median_s": statistics.median(times[name]),
-                           "min_s": min(times[name]), "max_s": max(times[name]), "times_s": times[name],
-                           "losses": losses[name], "peak_rss_mib": finals[name][1],
-                           "threads": finals[name][2]}
-                    for name in names},
+        "systems": {row: {"name": name, "worker": kind, "median_s": statistics.median(times[row]),
+                          "min_s": min(times[row]), "max_s": max(times[row]), "times_s": times[row],
+                          "losses": losses[row], "peak_rss_mib": finals[kind][0],
+                          "threads": finals[kind][1]}
+                    for kind, names in rows.items() for row, name in names.items()},
         "matmul_gflop": flops / 1e9, "gemm_gflops": rate / 1e9, "gemm_floor_s": flops / rate,
         "steps_compared": len(reference),
-        "max_loss_rel_diff": max(float(np.max(np.abs(np.array(losses[name]) - reference) / reference))
-                                 for name in names),
+        "max_loss_rel_diff": max(float(np.max(np.abs(np.array(losses[row]) - reference) / reference))
+                                 for row in losses),
     }
-    report["ratio_to_eager"] = report["systems"]["ours"]["median_s"] / report["systems"]["torch"]["median_s"]
+    medians = {row: result["median_s"] for row, result in report["systems"].items()}
+    report["ratio_to_eager"] = medians["ours"] / medians["torch"]
+    report["ratio_torch_first_to_eager"] = medians["ours_beside_torch"] / medians["torch"]
+    report["ratio_beside_torch"] = medians["ours_beside_torch"] / medians["torch_beside_ours"]
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = "train_step" if args.model == "smollm2" else f"train_step_{args.model}"
     (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -2,9 +2,10 @@
 
 `load(target, blocks)` renders `blocks` (a list of (kind, context)) with the module header and
 imports it. The file goes to a fixed directory under the system temp dir, named by a hash of its
-source and written only when absent, so that Numba's `cache=True` (keyed on the file's path and
-mtime) makes a second test run skip compilation. CUDA modules must be loaded in a process that set
-NUMBA_ENABLE_CUDASIM=1 before numba.cuda was first imported: see tests/test_cuda_sim.py.
+source and of the shared modules it imports, and written only when absent, so that Numba's
+`cache=True` (keyed on the file's path and mtime) makes a second test run skip compilation. CUDA
+modules must be loaded in a process that set NUMBA_ENABLE_CUDASIM=1 before numba.cuda was first
+imported: see tests/test_cuda_sim.py.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pyml.codegen.render import render_kernel_module
+from pyml.codegen.manifest import shared_hash
+from pyml.codegen.render import SHARED_KERNEL_MODULES, render_kernel_module
 
 CACHE_DIR = Path(tempfile.gettempdir()) / "pyml-kernel-tests"
 
@@ -60,7 +62,10 @@ def all_blocks(target: str) -> list[tuple[str, dict]]:
 
 def load(target: str, blocks: list[tuple[str, dict]]):
     source = render_kernel_module(target, blocks)
-    name = f"kernels_{target}_{hashlib.sha256(source.encode()).hexdigest()[:16]}"
+    # the shared modules the header imports are part of the name: Numba's cache of a module whose
+    # own text did not change would otherwise keep what an edited shared module compiled to
+    key = source + shared_hash(SHARED_KERNEL_MODULES[target])
+    name = f"kernels_{target}_{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     if name in sys.modules:
         return sys.modules[name]
     CACHE_DIR.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,8 @@ def template_hashes() -> dict[str, str]:
 # The hand-written modules generated packages import: a change to one changes what a generated
 # package computes without changing its files, so their hashes are part of the manifest.
 SHARED_MODULES = ("pyml/package/base.py", "pyml/package/kernels_cpu.py",
-                  "pyml/package/kernels_cuda.py", "pyml/package/vector_math.py")
+                  "pyml/package/kernels_cuda.py", "pyml/package/vector_math.py",
+                  "pyml/package/quantized_dot.py")
 PYML_ROOT = Path(__file__).resolve().parents[2]
 
 

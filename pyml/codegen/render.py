@@ -16,8 +16,9 @@ import jinja2
 
 TEMPLATES = Path(__file__).parent / "templates"
 TARGETS = ("cpu", "cuda")
-# The spec-independent kernels (AdamW, the residual joins, the vectorizable math) are hand-written
-# modules under pyml/package/ that every kernel module imports and re-exports.
+# The spec-independent kernels (AdamW, the residual joins, the vectorizable math, the quantized row
+# dot products) are hand-written modules under pyml/package/ that every kernel module imports and
+# re-exports.
 HEADERS = {
     "cpu": (
         "import math\n\nimport numpy as np\nfrom numba import njit, prange\n\n"
@@ -26,6 +27,8 @@ HEADERS = {
         "from pyml.package.vector_math import (F32_ONE, MAX_LANES, dot_float64, exp_vectorizable, "
         "gelu_tanh_vectorizable, gelu_tanh_with_derivative_vectorizable, max_value, "
         "sigmoid_vectorizable, sum_float64, unit_offset_weighted_dot_float64, weighted_dot_float64)\n"
+        "from pyml.package.quantized_dot import (q4_row_dot_runs_of_16, q4_row_dot_runs_of_32, "
+        "q6_row_dot, q8_row_dot)\n"
     ),
     "cuda": (
         "import math\n\nimport numpy as np\nfrom numba import cuda\n\n"
@@ -35,7 +38,8 @@ HEADERS = {
 }
 # what the header imports, for `pyml check` and the modules' first line (see pyml.package.vector_math)
 SHARED_KERNEL_MODULES = {
-    "cpu": ("pyml/package/kernels_cpu.py", "pyml/package/vector_math.py"),
+    "cpu": ("pyml/package/kernels_cpu.py", "pyml/package/vector_math.py",
+            "pyml/package/quantized_dot.py"),
     "cuda": ("pyml/package/kernels_cuda.py",),
 }
 
