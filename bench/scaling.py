@@ -38,7 +38,6 @@ import time  # noqa: E402
 from datetime import date  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -47,13 +46,12 @@ MODEL_DIR = ROOT / "models" / "smollm2-135m-instruct"
 B, T = 2, 128
 LR, WEIGHT_DECAY, BETAS, EPS, MAX_GRAD_NORM = 3e-4, 0.1, (0.9, 0.95), 1e-8, 1.0
 LOSS_AGREEMENT = 1e-4  # largest relative difference of a 2-rank step's loss to one rank's
-# (name, ranks, threads per rank, sharded optimizer, per-layer buckets traced by the benchmark)
+# (name, ranks, threads per rank, sharded optimizer)
 CONFIGURATIONS = [
-    ("1 rank, 2 threads", 1, 2, False, False),
-    ("1 rank, 1 thread", 1, 1, False, False),
-    ("2 ranks x 1 thread", 2, 1, False, False),
-    ("2 ranks x 1 thread, --shard-optimizer", 2, 1, True, False),
-    ("2 ranks x 1 thread, per-layer buckets", 2, 1, False, True),
+    ("1 rank, 2 threads", 1, 2, False),
+    ("1 rank, 1 thread", 1, 1, False),
+    ("2 ranks x 1 thread", 2, 1, False),
+    ("2 ranks x 1 thread, --shard-optimizer", 2, 1, True),
 ]
 LINKS_GBIT = (10, 100)
 MACHINES = (2, 8, 64)
@@ -80,71 +78,6 @@ class Timed:
         return timed
 
 
-class TracedBuckets:
-    """The generated model with per-layer gradient buckets, ahead of the generator that will
-    report them (today's packages report one bucket, the whole buffer, after the backward). A first
-    backward records which range of `grads.flat` each backward kernel call writes (a parameter of
-    one layer each); a range is final after the last call that writes it (the tied embedding: at
-    the very end), and these ranges, in that order, are the buckets. In later backward passes a
-    wrapper around the kernels module reports each bucket as soon as its last writer returns."""
-
-    def __init__(self, model, seq: int):
-        self.model, self.finished_by = model, {}
-        writes = []  # (call index, start, stop) of every gradient range a backward call wrote
-        self.run_with_kernels(lambda call, name, arguments: writes.extend(
-            (call, *span) for span in self.gradient_spans(arguments)),
-            lambda: model.loss_and_grads(np.zeros((1, seq), np.int64), np.zeros((1, seq), np.int64)))  # fmt: skip
-        last = {}
-        for call, start, stop in writes:
-            last[(start, stop)] = call
-        self.grad_buckets = sorted(last, key=lambda span: (last[span], span[0]))
-        for index, span in enumerate(self.grad_buckets):
-            self.finished_by.setdefault(last[span], []).append(index)
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-    def gradient_spans(self, arguments):
-        flat = self.model.grads.flat
-        base, itemsize = flat.__array_interface__["data"][0], flat.itemsize
-        for argument in arguments:
-            if isinstance(argument, np.ndarray) and argument.size:
-                offset = (argument.__array_interface__["data"][0] - base) // itemsize
-                if 0 <= offset < flat.shape[0]:
-                    yield offset, offset + argument.size
-
-    def run_with_kernels(self, after_backward_call, function):
-        """Run `function` with every backward kernel (`*_backward*`) followed by
-        `after_backward_call(call index, name, arguments)`."""
-        device, kernels, calls = self.model.device, self.model.device.kernels, [0]
-
-        class Wrapped:
-            def __getattr__(self, name):
-                kernel = getattr(kernels, name)
-                if "_backward" not in name or name == "loss_forward_backward":
-                    return kernel
-
-                def call(*arguments):
-                    kernel(*arguments)
-                    after_backward_call(calls[0], name, arguments)
-                    calls[0] += 1
-
-                return call
-
-        device.kernels = Wrapped()
-        try:
-            return function()
-        finally:
-            device.kernels = kernels
-
-    def loss_and_grads(self, inputs, targets, on_grads_ready=None):
-        def report(call, name, arguments):
-            for index in self.finished_by.get(call, ()):
-                on_grads_ready(index)
-
-        return self.run_with_kernels(report, lambda: self.model.loss_and_grads(inputs, targets))
-
-
 def worker(args) -> None:
     """One configuration, in this process (one of the ranks under mpiexec); rank 0 writes the
     measurements to args.out."""
@@ -155,10 +88,7 @@ def worker(args) -> None:
         import gen.smollm2_135m as package
         from bench.train_step import corpus_batches
 
-        model = package.Model.from_safetensors(MODEL_DIR)
-        if args.traced:
-            model = TracedBuckets(model, T)
-        model = Timed(model, "loss_and_grads")
+        model = Timed(package.Model.from_safetensors(MODEL_DIR), "loss_and_grads")
         optimizer = Timed(group.optimizer(package, model, lr=LR, betas=BETAS, eps=EPS,
                                           weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_GRAD_NORM),
                           "step")  # fmt: skip
@@ -199,7 +129,7 @@ def timed_call(function) -> float:
     return time.perf_counter() - started
 
 
-def run_configuration(name: str, ranks: int, threads: int, sharded: bool, traced: bool, args) -> dict:
+def run_configuration(name: str, ranks: int, threads: int, sharded: bool, args) -> dict:
     from pyml import THREAD_POOL_ENVIRONMENT
 
     environment = {**START_ENVIRONMENT, "NUMBA_NUM_THREADS": str(threads),
@@ -210,7 +140,7 @@ def run_configuration(name: str, ranks: int, threads: int, sharded: bool, traced
         out = Path(folder) / "measured.json"
         command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--out", str(out),
                    "--steps", str(args.steps), "--warmup", str(args.warmup)]
-        command += (["--shard"] if sharded else []) + (["--traced"] if traced else [])
+        command += ["--shard"] if sharded else []
         if ranks > 1:
             command = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(ranks)] + command
         subprocess.run(command, env=environment, check=True, cwd=ROOT)
@@ -220,7 +150,7 @@ def run_configuration(name: str, ranks: int, threads: int, sharded: bool, traced
               for key in ("step_s", "compute_s", "optimizer_s")}  # the slower rank's
     waited = max(statistics.median(s["step_s"] - s["compute_s"] - s["optimizer_s"] for s in rank["steps"])
                  for rank in per_rank)  # fmt: skip
-    result = {"name": name, "ranks": ranks, "threads": threads, "sharded": sharded, "traced": traced,
+    result = {"name": name, "ranks": ranks, "threads": threads, "sharded": sharded,
               **{f"median_{key}": value for key, value in median.items()}, "median_waited_s": waited,
               "forward_s": max(rank["forward_s"] for rank in per_rank),
               "peak_rss_mib": [rank["peak_rss_mib"] for rank in per_rank],
@@ -253,7 +183,7 @@ def machines_model(parameters: int, backward_s: float, embedding_share: float) -
 
 def markdown(report: dict) -> str:
     lines = [f"SmolLM2-135M data-parallel training, global batch {B}x{T}, AdamW, float32, "
-             f"{report['date']}, {report['machine']}; a shared machine. Medians over "
+             f"{report['date']}, {report['machine']}, load average {report['load_average']:.1f} at the start. Medians over "
              f"{report['steps']} timed steps (the slower rank's).", "",
              "| configuration | s/step | forward+backward | optimizer | waiting on the other rank | exchange alone | overlap hides | peak RSS MiB per rank | with a checkpoint |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
@@ -264,14 +194,10 @@ def markdown(report: dict) -> str:
                      f"{r['median_optimizer_s']:.3f} | {r['median_waited_s']:.3f} | {exchange} | "
                      f"{', '.join(f'{m:.0f}' for m in r['peak_rss_mib'])} | "
                      f"{', '.join(f'{m:.0f}' for m in r['peak_rss_with_checkpoint_mib'])} |")  # fmt: skip
-    plain, traced = (next(r for r in report["configurations"] if r["ranks"] > 1 and r["traced"] == wanted)
-                     for wanted in (False, True))  # fmt: skip
-    whole = " (the whole buffer, after the backward)" if plain["buckets"] == 1 else ""
-    lines += ["", f"The generated package reports {plain['buckets']} gradient bucket(s){whole}, cut "
-              f"into {plain['pieces']} pieces for the exchange; the per-layer "
-              f"configuration traces {traced['buckets']} buckets (one per parameter of each layer, in "
-              f"the order the backward finishes them; {traced['pieces']} pieces) through a wrapper "
-              "around the generated kernels, as the generator will report them. Largest relative "
+    plain = next(r for r in report["configurations"] if r["ranks"] > 1)
+    lines += ["", f"The generated package reports {plain['buckets']} gradient buckets (the tail's "
+              "parameters, each layer from the last, the embedding: in the order the backward "
+              f"finishes them), cut into {plain['pieces']} pieces for the exchange. Largest relative "
               f"difference of a 2-rank step's loss to one rank's: {report['max_loss_rel_diff']:.2e}.", "",
               f"N machines, ring all-reduce of the {report['parameters'] / 1e6:.1f}M float32 gradient "
               f"(backward measured here: {report['backward_s']:.2f} s for {B}x{T} tokens on one "
@@ -291,7 +217,6 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--shard", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--traced", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -299,6 +224,7 @@ def main() -> None:
     from bench.train_step import ensure_model
 
     ensure_model()
+    load_average = os.getloadavg()[0]
     configurations = [run_configuration(*configuration, args) for configuration in CONFIGURATIONS]
     one = configurations[0]
     max_rel = max(abs(a - b) / abs(b) for r in configurations[2:] for a, b in zip(r["losses"], one["losses"]))
@@ -308,7 +234,8 @@ def main() -> None:
     embedding_share = spec.embedding.vocab_size * spec.embedding.dim / one["parameters"]
     backward_s = one["median_compute_s"] - one["forward_s"]
     report = {"date": date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-              "steps": args.steps, "warmup": args.warmup, "configurations": configurations,
+              "load_average": load_average, "steps": args.steps, "warmup": args.warmup,
+              "configurations": configurations,
               "max_loss_rel_diff": max_rel, "parameters": one["parameters"], "backward_s": backward_s,
               "embedding_share": embedding_share,
               "machines_model": machines_model(one["parameters"], backward_s, embedding_share)}  # fmt: skip
