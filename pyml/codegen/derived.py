@@ -12,7 +12,9 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import shutil
 import sys
+import tempfile
 import tomllib
 from pathlib import Path
 
@@ -31,6 +33,30 @@ def lean_project(root: Path) -> None:
         (root / "lean" / "PyML").symlink_to(PYML_ROOT / "lean" / "PyML")
 
 
+def generate_into(root: Path, spec, text: str) -> None:
+    spec_path = root / "specs" / f"{spec.name}.toml"
+    spec_path.parent.mkdir(parents=True)
+    spec_path.write_text(text, encoding="utf-8")
+    lean_project(root)
+    write_generated(spec, spec_path, root)
+
+
+def write_whole(root: Path, write) -> None:
+    """`write(scratch)` into a scratch folder beside `root`, then renamed to `root`: another
+    process generating the same package at the same time (two runs, two test workers) either
+    finds none or finds it whole. The one that renames second drops its copy."""
+    root.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{root.name}-", dir=root.parent))
+    try:
+        write(scratch)
+        scratch.rename(root)
+    except OSError:
+        if not root.exists():
+            raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def derived_package(data: dict, folder: Path = DERIVED_DIR):
     """(spec, package) of the spec `data` (checked as `pyml gen` checks it): generated into
     `folder/<digest>/` unless already there, and imported."""
@@ -40,11 +66,8 @@ def derived_package(data: dict, folder: Path = DERIVED_DIR):
     root = Path(folder) / digest
     spec_path = root / "specs" / f"{data.get('name')}.toml"
     spec = parse_spec(tomllib.loads(text), str(spec_path))
-    if not (root / "gen" / spec.name / "MANIFEST.json").exists():
-        spec_path.parent.mkdir(parents=True, exist_ok=True)
-        spec_path.write_text(text, encoding="utf-8")
-        lean_project(root)
-        write_generated(spec, spec_path, root)
+    if not root.exists():
+        write_whole(root, lambda scratch: generate_into(scratch, spec, text))
     module_name = f"pyml_derived_{digest}"
     if module_name not in sys.modules:
         package_dir = root / "gen" / spec.name
