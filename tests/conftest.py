@@ -55,6 +55,20 @@ def gemma3_dir(tmp_path_factory) -> Path:
     return shipped_folder(tmp_path_factory, "gemma3_gguf", "gemma3-270m")
 
 
+@pytest.fixture(scope="session")
+def smollm2_reference():
+    """transformers' model and tokenizer of the shipped SmolLM2 GGUF, loaded by its own GGUF
+    reader (the independent reference), in eval mode; shared, so no test may change it."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pyml.runtime.smollm2_gguf import shipped_gguf_path
+
+    gguf = shipped_gguf_path()
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    return model.eval(), AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
 def one_step_checkpoint(tmp_path_factory, spec: str, init: Path) -> Path:
     """The checkpoint of one training step (a batch of one 32-token sequence) from `init`, on a
     few lines of text (tokenising the default corpus would take longer than the step)."""

@@ -8,31 +8,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pyml.errors import PymlError
 from pyml.runtime import generate as generation
-from pyml.runtime.gguf_import import import_gguf
-from pyml.runtime.smollm2_gguf import SPEC_NAME, shipped_gguf_path
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "specs" / "smollm2_135m.toml"
 QUESTION = "What is the capital of France?"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+@pytest.fixture
+def model_dir(smollm2_folder):
     # named as `pyml import-gguf` names the shipped model's spec: gen/smollm2_135m runs the folder
-    return import_gguf(shipped_gguf_path(), tmp_path_factory.mktemp("smollm2"), progress=False,
-                       name=SPEC_NAME)
+    return smollm2_folder
 
 
-@pytest.fixture(scope="module")
-def reference():
-    gguf = shipped_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    return model.eval(), tokenizer
+@pytest.fixture
+def reference(smollm2_reference):
+    return smollm2_reference
 
 
 @pytest.fixture(scope="module")

@@ -63,18 +63,14 @@ def llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
 # -- the real model
 
 
-@pytest.fixture(scope="module")
-def imported_dir(tmp_path_factory) -> Path:
-    return import_gguf(
-        shipped_gguf_path(), tmp_path_factory.mktemp("import") / "smollm2", progress=False
-    )
+@pytest.fixture
+def imported_dir(smollm2_folder) -> Path:
+    return smollm2_folder
 
 
-@pytest.fixture(scope="module")
-def reference_model():
-    model = transformers_from_gguf(shipped_gguf_path())
-    model.eval()
-    return model
+@pytest.fixture
+def reference_model(smollm2_reference):
+    return smollm2_reference[0]
 
 
 @pytest.mark.slow
@@ -165,9 +161,8 @@ def test_written_spec_is_the_hand_written_smollm2_spec(imported_dir):
         written = tomllib.load(handle)
     with open(ROOT / "specs" / "smollm2_135m.toml", "rb") as handle:
         hand_written = tomllib.load(handle)
-    # The name comes from the folder; everything else from the GGUF's metadata.
-    assert written.pop("name") == "smollm2"
-    assert written == {key: value for key, value in hand_written.items() if key != "name"}
+    # The shipped model's spec keeps its name in specs/; everything else comes from the metadata.
+    assert written == hand_written
 
 
 def test_transformers_chat_prompt_from_the_directory_matches_the_gguf(imported_dir):

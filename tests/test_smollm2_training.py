@@ -10,8 +10,6 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
 from pyml.runtime.data import load_corpus
-from pyml.runtime.gguf_import import import_gguf
-from pyml.runtime.smollm2_gguf import shipped_gguf_path
 
 package = pytest.importorskip("gen.smollm2_135m", reason="gen/smollm2_135m not generated: run `make gen`")
 
@@ -19,9 +17,9 @@ B, T, STEPS = 2, 64, 10
 LR, BETAS, EPS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 1e-8, 0.1
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return import_gguf(shipped_gguf_path(), tmp_path_factory.mktemp("smollm2"), progress=False)
+@pytest.fixture
+def model_dir(smollm2_folder):
+    return smollm2_folder
 
 
 def text_batches(model_dir):

@@ -216,16 +216,9 @@ def test_sequential_models_refuse_text_data(tmp_path):
         train(SPECS / "mlp_digits.toml", data=tmp_path, out=tmp_path / "run", progress=False)
 
 
-@pytest.fixture(scope="session")
-def smollm2_dir(tmp_path_factory):
-    from pyml.runtime.gguf_import import import_gguf
-    from pyml.runtime.smollm2_gguf import shipped_gguf_path
-
-    try:
-        gguf = shipped_gguf_path()
-    except PymlError as error:
-        pytest.skip(str(error))
-    return import_gguf(gguf, tmp_path_factory.mktemp("smollm2"), progress=False)
+@pytest.fixture
+def smollm2_dir(smollm2_folder):
+    return smollm2_folder
 
 
 @pytest.mark.slow
