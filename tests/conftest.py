@@ -22,6 +22,24 @@ ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"
 
 
+def pytest_collection_modifyitems(config, items):
+    """The CUDA simulator's runs start now, in the background, and the tests that report them go
+    last (tests/cuda_simulator.py says why)."""
+    import cuda_simulator
+
+    reporting = [item for item in items if item.module.__name__ == "test_cuda_sim"]
+    if reporting:
+        items[:] = [item for item in items if item not in reporting] + reporting
+        cuda_simulator.start([item.callspec.params["cases"] for item in reporting])
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import cuda_simulator
+
+    if cuda_simulator.runs is not None:
+        cuda_simulator.runs.stop()
+
+
 @pytest.fixture(scope="session")
 def tiny_folders(tmp_path_factory) -> dict[str, Path]:
     """{"llama": folder, "gemma3": folder}: tiny imported models of both families."""
@@ -65,7 +83,9 @@ def smollm2_reference():
     from pyml.runtime.smollm2_gguf import shipped_gguf_path
 
     gguf = shipped_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
     return model.eval(), AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 

@@ -1,7 +1,7 @@
 """Generated models built on device="cuda" under Numba's CUDA simulator, against the same model on
 the CPU (float64): logits, loss, every gradient, a decoding step, a clipped AdamW step.
 
-Not collected directly (the name does not start with test_): tests/test_generated_cuda_sim.py runs
+Not collected directly (the name does not start with test_): tests/test_cuda_sim.py runs
 it in a child process with NUMBA_ENABLE_CUDASIM=1, which must be set before numba.cuda is first
 imported. The simulator runs every GPU thread in Python, so the batches are tiny. On a machine with
 a GPU, run this file directly without the variable to test the real device.
