@@ -172,11 +172,23 @@ def test_merge_lora_refuses_an_adapter_of_another_base(tiny_folders, lora_run, t
     assert not (tmp_path / "merged").exists()
 
 
+def pyml(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pyml.cli", *args], capture_output=True,
+                          text=True, cwd=ROOT)  # fmt: skip
+
+
+def test_train_cli_names_an_unknown_lora_target_in_one_line(tiny_folders, tmp_path):
+    result = pyml("train", "--spec", "specs/llama_tiny.toml", "--init", str(tiny_folders["llama"]),
+                  "--out", str(tmp_path / "run"), "--lora-rank", "2", "--lora-targets", "q,query")
+    assert result.returncode == 2
+    assert result.stderr == ("error: specs/llama_tiny.toml with --lora-rank 2: lora.targets[1]: "
+                             "Input should be 'q', 'k', 'v', 'o', 'gate', 'up' or 'down'\n")
+    assert not (tmp_path / "run").exists()
+
+
 def test_merge_lora_cli_says_what_is_missing_in_one_line(tiny_folders, tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "pyml.cli", "merge-lora", str(tiny_folders["llama"]),
-         str(tmp_path), "--out", str(tmp_path / "merged")],
-        capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    result = pyml("merge-lora", str(tiny_folders["llama"]), str(tmp_path), "--out",
+                  str(tmp_path / "merged"))
     assert result.returncode == 2
     assert result.stderr == (f"error: {tmp_path / ADAPTER_CONFIG_FILE}: missing; ADAPTER must be "
                              "a LoRA checkpoint of `pyml train --lora-rank` or a folder peft's "
