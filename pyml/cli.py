@@ -158,6 +158,7 @@ def generate(
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
     spec: Annotated[Path | None, typer.Option(help="The decoder spec whose generated package runs the model. Default: the folder's spec.toml.")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    adapter: Annotated[Path | None, typer.Option(help="A LoRA checkpoint (or peft adapter folder) of --model, folded into its weights in memory as `pyml merge-lora` folds it.")] = None,
 ) -> None:
     """Generate text with the generated package of the folder's spec (gen/<name>/) and a KV cache,
     streaming tokens as they come."""
@@ -167,7 +168,7 @@ def generate(
         raise PymlError("--temperature must be >= 0 and --top-p in (0, 1]")
     tokenizer = generation.load_tokenizer(model)
     ids = generation.prompt_ids(model, tokenizer, prompt, chat)  # before the slow part: the weights
-    loaded = generation.load_model(model, spec, device)
+    loaded = generation.load_model(model, spec, device, adapter)
     result = generation.generate(loaded, tokenizer, ids, max_new_tokens, generation.eos_ids(model),
                                  temperature, top_p, seed)
     print()

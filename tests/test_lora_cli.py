@@ -19,6 +19,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from test_finetune_loop import llama_in_float64, tiny_training
 
 from pyml.errors import PymlError
+from pyml.runtime import generate as generation
 from pyml.runtime.checkpoint import read_state
 from pyml.runtime.lora import (
     ADAPTER_CONFIG_FILE,
@@ -231,3 +232,22 @@ def test_smollm2_three_lora_steps_track_peft(smollm2_folder):
     for step, (our_loss, their_loss) in enumerate(losses):
         assert our_loss == pytest.approx(their_loss, rel=1e-3), f"step {step + 1}"
     assert losses[2][1] < 0.99 * losses[0][1]  # the adapters moved: the steps compared something
+
+
+def test_generate_with_an_adapter_answers_as_the_merged_folder(tiny_folders, lora_run, tmp_path):
+    init, checkpoint = tiny_folders["llama"], lora_run.checkpoint
+    merged = merge_lora(init, checkpoint, tmp_path / "merged")
+    options = ("--spec", "specs/llama_tiny.toml", "--chat", "--prompt", "The capital of France",
+               "--max-new-tokens", "12")
+    with_adapter = pyml("generate", "--model", str(init), "--adapter", str(checkpoint), *options)
+    from_merged = pyml("generate", "--model", str(merged), *options)
+    assert with_adapter.returncode == from_merged.returncode == 0, with_adapter.stderr
+    assert with_adapter.stdout == from_merged.stdout
+    # the weights it ran are the merged folder's, not the base's
+    loaded = generation.load_model(init, SPECS / "llama_tiny.toml", adapter=checkpoint)
+    merged_tensors = read_safetensors(merged / "model.safetensors")
+    base_tensors = read_safetensors(init / "model.safetensors")
+    for name, tensor in loaded.host_tensors().items():
+        assert np.array_equal(tensor, merged_tensors[name]), name
+    adapted = "model.layers.1.mlp.down_proj.weight"
+    assert not np.array_equal(merged_tensors[adapted], base_tensors[adapted])
