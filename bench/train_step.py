@@ -332,7 +332,7 @@ def markdown(report: dict) -> str:
     lines += [""] + [f"Threads, {result['name']}: {result['threads']}."
                      for result in report["systems"].values()]
     lines += ["", f"GEMM floor: {report['gemm_floor_s']:.3f} s ({report['matmul_gflop']:.0f} GFLOP at "
-              f"{report['gemm_gflops']:.0f} GFLOP/s). Largest relative loss difference to eager over "
+              f"{report['gemm_gflops']:.0f} GFLOP/s). Largest relative loss difference to the reference (eager; peft's for the LoRA rows) over "
               f"{report['steps_compared']} steps: {report['max_loss_rel_diff']:.2e}."]
     lines += ["", f"LoRA (rank {LORA['rank']}, alpha {LORA['alpha']:g}, on "
               f"{','.join(LORA['targets'])}) against pyml's full fine-tune: "
