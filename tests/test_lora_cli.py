@@ -31,7 +31,9 @@ from pyml.runtime.lora import (
     merge_lora,
     read_adapter_tensors,
 )
+from pyml.runtime.loss_curve import describe_settings
 from pyml.runtime.safetensors_io import read_safetensors, write_safetensors
+from pyml.runtime.train import TrainingConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"
@@ -73,6 +75,8 @@ def test_a_lora_checkpoint_is_a_peft_adapter_folder(tiny_folders, lora_run, monk
         "chat_template.jinja", "optimizer.safetensors", "state.json"])  # no copy of the base
     settings = read_state(checkpoint)["config"]["lora"]
     assert settings == {"rank": 4, "alpha": 12.0, "targets": ["q", "v", "o", "down"]}
+    assert "LoRA rank 4 alpha 12 on q,v,o,down" in describe_settings(
+        TrainingConfig(**read_state(checkpoint)["config"]))
     # the adapter tensors as peft names them, and adapter_config.json as peft writes it
     reference = get_peft_model(llama_in_float64(init, monkeypatch), peft_config(settings))
     expected = get_peft_model_state_dict(reference)

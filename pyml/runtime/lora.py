@@ -11,6 +11,8 @@ A LoRA checkpoint holds the adapters only, as `peft`'s `save_pretrained` writes 
     tokenizer.json, tokenizer_config.json, chat_template.jinja (the base's, where it has them)
 
 The base weights stay in the --init folder: a checkpoint is a few MB, not a copy of the model.
+`merge-lora` (and `pyml generate --adapter`) read any plain LoRA adapter folder of the base, as
+peft writes one, not only ours.
 """
 
 from __future__ import annotations
