@@ -47,9 +47,9 @@ def lora_settings(rank: int, alpha: float | None, targets: list[str] | None) -> 
     state.json, so that a resume can compare)."""
     from pyml.spec.layers import LoRA
 
-    defaults = LoRA(rank=rank)
-    return {"rank": rank, "alpha": defaults.alpha if alpha is None else alpha,
-            "targets": defaults.targets if targets is None else targets}
+    fields = LoRA.model_fields  # the defaults only: the spec's check judges the values
+    return {"rank": rank, "alpha": fields["alpha"].get_default() if alpha is None else alpha,
+            "targets": fields["targets"].get_default() if targets is None else targets}
 
 
 def lora_spec(spec_path: Path, settings: dict):

@@ -177,17 +177,18 @@ def train(
     else:
         train_pairs, held_out_pairs = text_pairs(config, package)
     dtype_and_device = {"dtype": np.dtype(config.dtype), "device": config.device}
-    if form == "decoder" and spec.lora is not None:
+    lora_table = spec.lora if form == "decoder" else None  # the spec's own, or the flags'
+    if lora_table is not None:
         # a resume then loads the checkpoint's adapters over the freshly initialised ones
         model = package.Model.from_base(Path(config.init), seed=config.seed, **dtype_and_device)
-        model_files = adapter_files(spec.lora, Path(config.init))
-    elif resume or config.init is not None:
-        model = package.Model(**dtype_and_device)
-        if not resume:  # a resume loads the checkpoint's weights instead
-            model.load_tensors(*init_weights(Path(config.init)))
+        model_files = adapter_files(lora_table, Path(config.init))
     else:
-        model = package.Model.initialized(seed=config.seed, **dtype_and_device)
-    if not (form == "decoder" and spec.lora is not None):
+        if resume or config.init is not None:
+            model = package.Model(**dtype_and_device)
+            if not resume:  # a resume loads the checkpoint's weights instead
+                model.load_tensors(*init_weights(Path(config.init)))
+        else:
+            model = package.Model.initialized(seed=config.seed, **dtype_and_device)
         model_files = folder_files(spec_path, None if config.init is None else Path(config.init))
     result = run_training(
         package, model, train_pairs, held_out_pairs, config, Path(out), resume, progress, group,
