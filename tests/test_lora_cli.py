@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from model_folders import tiny_text
 from test_finetune_loop import llama_in_float64, tiny_training
 
 from pyml.errors import PymlError
@@ -33,7 +34,7 @@ from pyml.runtime.lora import (
 )
 from pyml.runtime.loss_curve import describe_settings
 from pyml.runtime.safetensors_io import read_safetensors, write_safetensors
-from pyml.runtime.train import TrainingConfig
+from pyml.runtime.train import TrainingConfig, train
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"
@@ -255,3 +256,35 @@ def test_generate_with_an_adapter_answers_as_the_merged_folder(tiny_folders, lor
         assert np.array_equal(tensor, merged_tensors[name]), name
     adapted = "model.layers.1.mlp.down_proj.weight"
     assert not np.array_equal(merged_tensors[adapted], base_tensors[adapted])
+
+
+def test_gemma3_lora_checkpoint_and_merge_match_peft(tiny_folders, tmp_path):
+    """The other family: every projection of the tiny Gemma 3 adapted, float64. transformers'
+    Gemma computes its norms and rotary tables in float32 whatever the dtype (the base alone
+    differs from ours by 2e-7 relative), hence 1e-6 here."""
+    from transformers import AutoModelForCausalLM
+
+    init = tiny_folders["gemma3"]
+    targets = ["q", "k", "v", "o", "gate", "up", "down"]
+    # the folder's own spec (not in specs/, no package in gen/): a LoRA run derives its package
+    checkpoint = train(init / "spec.toml", init=init, data=tiny_text(tmp_path / "text.txt"),
+                       out=tmp_path / "run", progress=False, steps=2, batch=1, seq=16, lr=1e-2,
+                       eval_every=2, eval_batches=1, dtype="float64", lora_rank=4,
+                       lora_targets=targets).checkpoint
+    _, package = lora_spec(init / "spec.toml", read_state(checkpoint)["config"]["lora"])
+    ours = package.Model.from_base(init, dtype=np.float64)
+    ours.load_adapter_tensors(read_adapter_tensors(checkpoint), str(checkpoint))
+
+    def gemma(folder):
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64,
+                                                    attn_implementation="eager").eval()
+
+    ids = np.random.default_rng(0).integers(0, package.model.VOCAB, (1, 12))
+    reference = PeftModel.from_pretrained(gemma(init), checkpoint).eval()
+    expected = logits_of(reference, ids)
+    scale = np.abs(expected).max()
+    assert np.abs(expected - logits_of(gemma(init), ids)).max() > 1e-3 * scale  # adapters count
+    assert np.abs(ours.forward(ids) - expected).max() < 1e-6 * scale
+    merged = merge_lora(init, checkpoint, tmp_path / "merged")
+    unloaded = logits_of(reference.merge_and_unload().eval(), ids)
+    assert np.abs(logits_of(gemma(merged), ids) - unloaded).max() < 1e-5 * scale
