@@ -3,7 +3,8 @@
 A LoRA checkpoint is a peft adapter folder: `PeftModel.from_pretrained(base, CHECKPOINT)` loads it
 onto transformers' model of the --init folder and computes our logits (the tiny llama, float64,
 rtol 1e-9); merge-lora's folder gives transformers the logits of peft's `merge_and_unload()`. The
-real SmolLM2-135M trains three LoRA AdamW steps as peft + torch.optim.AdamW do (float32, 1e-3).
+tiny Gemma 3 passes the same two checks; the real SmolLM2-135M trains three LoRA AdamW steps as
+peft + torch.optim.AdamW do (float32, 1e-3).
 Also: resume is bit-identical, and bad inputs are refused in one line.
 """
 
