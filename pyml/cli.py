@@ -270,7 +270,8 @@ def bench_train(
     compile: Annotated[bool, typer.Option(help="Also time torch.compile (about 75 s to compile).")] = False,
     model: Annotated[BenchModel, typer.Option(help="The shipped model to train.")] = BenchModel.smollm2,
 ) -> None:
-    """A real model's training step (2x128 tokens, AdamW): this project's package vs PyTorch."""
+    """A real model's training step (2x128 tokens, AdamW): this project's package vs PyTorch,
+    full fine-tuning and LoRA (rank 8 on q, v; against peft)."""
     run_benchmark("train_step.py", ["--model", model.value, "--rounds", str(rounds), "--steps",
                                     str(steps)] + (["--compile"] if compile else []))
 
