@@ -46,6 +46,19 @@ demo: $(STAMP) $(MODEL)/model.safetensors
 	@echo "--- export it to GGUF for llama.cpp and ollama, and read that file back with transformers:"
 	$(BIN)/pyml export-gguf runs/demo/step_000020 --out runs/demo/smollm2-demo.q8_0.gguf --type q8_0
 	$(BIN)/python -c "$$TRANSFORMERS_CHAT" runs/demo/smollm2-demo.q8_0.gguf
+	@echo
+	@echo "--- LoRA: train rank-8 adapters on q and v only (the base frozen; checkpoints hold the adapters):"
+	rm -rf runs/demo-lora
+	$(BIN)/pyml train --spec specs/smollm2_135m.toml --init $(MODEL) --lora-rank 8 --lora-alpha 16 \
+		--steps 10 --eval-every 10 --checkpoint-every 10 --out runs/demo-lora
+	@echo
+	@echo "--- fold the adapters into the base: a full model folder, then chat with it"
+	$(BIN)/pyml merge-lora $(MODEL) runs/demo-lora/step_000010 --out runs/demo-lora/merged
+	$(BIN)/pyml generate --model runs/demo-lora/merged --chat --prompt "What is the capital of France?"
+	@echo
+	@echo "--- export the LoRA fine-tune to GGUF and read it back with transformers:"
+	$(BIN)/pyml export-gguf runs/demo-lora/merged --out runs/demo-lora/smollm2-lora.q8_0.gguf --type q8_0
+	$(BIN)/python -c "$$TRANSFORMERS_CHAT" runs/demo-lora/smollm2-lora.q8_0.gguf
 
 # `make demo`'s last step: transformers loads a GGUF (argv[1]) and answers the demo's question.
 define TRANSFORMERS_CHAT

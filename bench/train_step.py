@@ -8,11 +8,15 @@ started with the environment this script was started with: pyml puts its thread-
 force itself when it is imported (after numpy, here, as in most users' programs); PyTorch keeps its
 defaults. One more worker is the case most users are in: torch imported before pyml, and a PyTorch
 training loop in the same process; for each batch it runs a PyTorch eager step and then pyml's, and
-reports both. Each round asks each worker in turn for 2 warm-up steps and then 10 timed steps;
+reports both. Two more train LoRA adapters (rank 8, alpha 16, on q and v) on the frozen weights:
+pyml's LoRA package and the `peft` library's LoRA on PyTorch eager, from the same initial adapters
+(A uniform in +-1/sqrt(fan_in) from a seed per tensor name, B zero, as peft initialises them).
+Each round asks each worker in turn for 2 warm-up steps and then 10 timed steps;
 3 rounds, so systems alternate while the idle one waits. PyTorch eager's steps spread widely here
 (1.8-2.9 s within one run), so 10 timed steps a round rather than 5 keep its median from hanging on
 a few slow steps. Reported: median, min and max step time over all timed steps (every step's time
-is in the JSON), the loss of every step (systems must agree within 1e-3 relative), each worker's
+is in the JSON), the loss of every step (systems must agree within 1e-3 relative: the full
+fine-tunes with PyTorch eager's, the LoRA rows with peft's), each worker's
 peak resident memory, and the GEMM floor (the step's matrix-product FLOPs at the float32 GEMM rate
 numpy reaches on this machine, in this run).
 
@@ -37,6 +41,7 @@ import platform  # noqa: E402
 import resource  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
+import zlib  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from datetime import date  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -48,6 +53,8 @@ RESULTS = ROOT / "bench" / "results"
 B, T = 2, 128
 WEIGHT_DECAY, BETAS, EPS = 0.1, (0.9, 0.95), 1e-8
 LOSS_AGREEMENT = 1e-3  # largest relative difference of any step's loss to PyTorch eager's
+LORA = {"rank": 8, "alpha": 16.0, "targets": ["q", "v"]}
+LORA_ROWS = ("lora", "peft")  # compared with each other, not with the full fine-tunes
 
 
 @dataclass(frozen=True)
@@ -140,6 +147,54 @@ class Torch:
         return loss.item()
 
 
+def initial_adapter(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """The starting value of adapter tensor `name` (our name), the same in every worker whatever
+    the order they meet the tensors in."""
+    if ".lora_B." in name:
+        return np.zeros(shape, np.float32)
+    bound = 1.0 / np.sqrt(shape[1])
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    return rng.uniform(-bound, bound, shape).astype(np.float32)
+
+
+class OursLora:
+    name = "pyml LoRA (rank 8 on q, v)"
+
+    def __init__(self, model: BenchModel):
+        from pyml.runtime.lora import lora_spec
+
+        _, package = lora_spec(ROOT / "specs" / f"{model.spec}.toml", LORA)
+        self.package = package
+        self.model = package.Model.from_base(model.dir)
+        adapters = {name: initial_adapter(name, tensor.shape)
+                    for name, tensor in self.model.adapter_tensors().items()}
+        self.model.load_adapter_tensors(adapters, "initial adapters")
+        self.optimizer = package.AdamW(self.model, lr=model.lr, betas=BETAS, eps=EPS,
+                                       weight_decay=WEIGHT_DECAY)
+
+    def step(self, inputs, targets) -> float:
+        return self.package.train_step(self.model, self.optimizer, inputs, targets)
+
+
+class PeftLora(Torch):
+    name = "peft LoRA (rank 8 on q, v), PyTorch eager"
+
+    def __init__(self, model: BenchModel):
+        from peft import LoraConfig, get_peft_model
+
+        super().__init__(model)
+        config = LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"], lora_dropout=0.0,
+                            bias="none", target_modules=[f"{t}_proj" for t in LORA["targets"]])
+        self.model = self.forward = get_peft_model(self.model, config)
+        trainable = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+        with self.torch.no_grad():
+            for name, param in trainable:
+                ours = name.removeprefix("base_model.model.").replace(".default", "")
+                param.copy_(self.torch.from_numpy(initial_adapter(ours, tuple(param.shape))))
+        self.optimizer = self.torch.optim.AdamW([p for _, p in trainable], lr=model.lr,
+                                                betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+
+
 def timed(runner, inputs, targets) -> tuple[float, float]:
     started = time.perf_counter()
     loss = runner.step(inputs, targets)
@@ -178,7 +233,9 @@ class Together:
 WORKERS = {"ours": lambda model: Alone("ours", lambda: Ours(model)),
            "torch": lambda model: Alone("torch", lambda: Torch(model)),
            "compile": lambda model: Alone("compile", lambda: Torch(model, compiled=True)),
-           "together": Together}
+           "together": Together,
+           "lora": lambda model: Alone("lora", lambda: OursLora(model)),
+           "peft": lambda model: Alone("peft", lambda: PeftLora(model))}
 
 
 def model_spec(model: BenchModel):
@@ -263,20 +320,31 @@ def markdown(report: dict) -> str:
              f"{report['machine']}; versions {report['versions']}.", "",
              "| system | median s/step | min | max | ratio to eager | peak RSS MiB |",
              "| --- | --- | --- | --- | --- | --- |"]
-    eager = report["systems"]["torch"]["median_s"]
-    for result in report["systems"].values():
+    for row, result in report["systems"].items():
+        eager = report["systems"][reference_row(row)]["median_s"]
         lines.append(f"| {result['name']} | {result['median_s']:.3f} | {result['min_s']:.3f} | "
                      f"{result['max_s']:.3f} | {result['median_s'] / eager:.2f} | "
                      f"{result['peak_rss_mib']:.0f} |")
-    lines += ["", "Ratio to eager: to the PyTorch eager worker of its own. The two systems of the "
+    lines += ["", "Ratio to eager: to the PyTorch eager worker of its own (the LoRA rows: to peft's "
+              "LoRA on PyTorch eager). The two systems of the "
               "shared worker (one process, torch imported first) share its peak RSS; pyml's median "
               f"there is {report['ratio_beside_torch']:.2f}x the eager steps of that same process."]
     lines += [""] + [f"Threads, {result['name']}: {result['threads']}."
                      for result in report["systems"].values()]
     lines += ["", f"GEMM floor: {report['gemm_floor_s']:.3f} s ({report['matmul_gflop']:.0f} GFLOP at "
-              f"{report['gemm_gflops']:.0f} GFLOP/s). Largest relative loss difference to eager over "
+              f"{report['gemm_gflops']:.0f} GFLOP/s). Largest relative loss difference to the reference (eager; peft's for the LoRA rows) over "
               f"{report['steps_compared']} steps: {report['max_loss_rel_diff']:.2e}."]
+    lines += ["", f"LoRA (rank {LORA['rank']}, alpha {LORA['alpha']:g}, on "
+              f"{','.join(LORA['targets'])}) against pyml's full fine-tune: "
+              f"{report['ratio_lora_to_full']:.2f}x the step time, "
+              f"{report['systems']['lora']['peak_rss_mib']:.0f} against "
+              f"{report['systems']['ours']['peak_rss_mib']:.0f} MiB peak RSS."]
     return "\n".join(lines) + "\n"
+
+
+def reference_row(row: str) -> str:
+    """The row whose losses and step time `row` is compared with: peft's for LoRA, else eager's."""
+    return "peft" if row in LORA_ROWS else "torch"
 
 
 def main() -> None:
@@ -290,7 +358,7 @@ def main() -> None:
     model = MODELS[args.model]
     ensure_model(model)
 
-    kinds = ["ours", "torch", "together"] + (["compile"] if args.compile else [])
+    kinds = ["ours", "torch", "together", *LORA_ROWS] + (["compile"] if args.compile else [])
     per_round = args.warmup + args.steps
     batches = corpus_batches(args.rounds * per_round, model)
     context = multiprocessing.get_context("spawn")
@@ -314,7 +382,7 @@ def main() -> None:
         process.join()
 
     flops, rate = matmul_flops(model), gemm_rate(model)
-    reference = np.array(losses["torch"])
+    steps_compared = len(losses["torch"])
     import numba
     import torch
     import transformers
@@ -334,14 +402,17 @@ def main() -> None:
                           "threads": finals[kind][1]}
                     for kind, names in rows.items() for row, name in names.items()},
         "matmul_gflop": flops / 1e9, "gemm_gflops": rate / 1e9, "gemm_floor_s": flops / rate,
-        "steps_compared": len(reference),
+        "steps_compared": steps_compared,
         "max_loss_rel_diff": max(float(np.max(np.abs(np.array(losses[row]) - reference) / reference))
-                                 for row in losses),
+                                 for row in losses
+                                 for reference in [np.array(losses[reference_row(row)])]),
     }
     medians = {row: result["median_s"] for row, result in report["systems"].items()}
     report["ratio_to_eager"] = medians["ours"] / medians["torch"]
     report["ratio_torch_first_to_eager"] = medians["ours_beside_torch"] / medians["torch"]
     report["ratio_beside_torch"] = medians["ours_beside_torch"] / medians["torch_beside_ours"]
+    report["ratio_lora_to_peft"] = medians["lora"] / medians["peft"]
+    report["ratio_lora_to_full"] = medians["lora"] / medians["ours"]
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = "train_step" if args.model == "smollm2" else f"train_step_{args.model}"
     (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")

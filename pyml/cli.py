@@ -158,6 +158,7 @@ def generate(
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
     spec: Annotated[Path | None, typer.Option(help="The decoder spec whose generated package runs the model. Default: the folder's spec.toml.")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    adapter: Annotated[Path | None, typer.Option(help="A LoRA checkpoint (or peft adapter folder) of --model, folded into its weights in memory as `pyml merge-lora` folds it.")] = None,
 ) -> None:
     """Generate text with the generated package of the folder's spec (gen/<name>/) and a KV cache,
     streaming tokens as they come."""
@@ -167,7 +168,7 @@ def generate(
         raise PymlError("--temperature must be >= 0 and --top-p in (0, 1]")
     tokenizer = generation.load_tokenizer(model)
     ids = generation.prompt_ids(model, tokenizer, prompt, chat)  # before the slow part: the weights
-    loaded = generation.load_model(model, spec, device)
+    loaded = generation.load_model(model, spec, device, adapter)
     result = generation.generate(loaded, tokenizer, ids, max_new_tokens, generation.eos_ids(model),
                                  temperature, top_p, seed)
     print()
@@ -199,10 +200,15 @@ def train(
     ranks: Annotated[int | None, typer.Option(help="Start this many ranks on this machine (mpiexec; needs mpi4py and an MPI): each trains on its share of every --batch. Under mpiexec or srun, leave it out.")] = None,
     shard_optimizer: Annotated[bool, typer.Option("--shard-optimizer", help="With several ranks: each keeps only its share of the AdamW state (ZeRO stage 1).")] = False,
     peer_timeout: Annotated[float | None, typer.Option(help="With several ranks: seconds to wait for another rank before stopping the job. Default 300.")] = None,
+    lora_rank: Annotated[int | None, typer.Option(help="Train LoRA adapters of this rank on the frozen --init weights (the spec plus a LoRA table; refused if the spec has its own); checkpoints hold the adapters only, in peft's layout.")] = None,
+    lora_alpha: Annotated[float | None, typer.Option(help="With --lora-rank: the adapters' scale is alpha / rank. Default 8.")] = None,
+    lora_targets: Annotated[str | None, typer.Option(help="With --lora-rank: the projections to adapt, comma-separated, of q,k,v,o,gate,up,down. Default q,v.")] = None,
 ) -> None:
     """Train a generated model on real data: progress bar, held-out loss, checkpoints, --resume,
-    Ctrl-C saves a checkpoint. Runs data-parallel under mpiexec or srun, or with --ranks."""
+    Ctrl-C saves a checkpoint. Runs data-parallel under mpiexec or srun, or with --ranks. With
+    --lora-rank, trains LoRA adapters instead of every weight."""
     from pyml.runtime import distributed
+    from pyml.runtime.lora import parse_targets
 
     if ranks is not None and ranks < 1:
         raise PymlError("--ranks must be at least 1")
@@ -214,7 +220,23 @@ def train(
         run_train(spec, init=init, data=data, steps=steps, batch=batch, seq=seq, out=out, lr=lr,
                   weight_decay=weight_decay, max_grad_norm=max_grad_norm, eval_every=eval_every,
                   eval_batches=eval_batches, checkpoint_every=checkpoint_every, seed=seed,
-                  dtype=dtype, device=device, resume=resume, group=group)
+                  dtype=dtype, device=device, resume=resume, group=group, lora_rank=lora_rank,
+                  lora_alpha=lora_alpha,
+                  lora_targets=None if lora_targets is None else parse_targets(lora_targets))
+
+
+@app.command("merge-lora")
+@user_errors
+def merge_lora(
+    base: Annotated[Path, typer.Argument(help="The model folder the adapter was trained on (--init).")],
+    adapter: Annotated[Path, typer.Argument(help="A LoRA checkpoint of `pyml train --lora-rank`, or any peft LoRA adapter folder of BASE.")],
+    out: Annotated[Path, typer.Option(help="The model folder to write.")],
+) -> None:
+    """Fold a LoRA adapter into its base, W + (alpha / r) B A: a full model folder that `pyml
+    generate`, `pyml export-gguf` and transformers read."""
+    from pyml.runtime.lora import merge_lora as run_merge
+
+    print(f"wrote {run_merge(base, adapter, out)}")
 
 
 bench_app = typer.Typer(help="Benchmarks against PyTorch and transformers (results in bench/results/).",
@@ -248,7 +270,8 @@ def bench_train(
     compile: Annotated[bool, typer.Option(help="Also time torch.compile (about 75 s to compile).")] = False,
     model: Annotated[BenchModel, typer.Option(help="The shipped model to train.")] = BenchModel.smollm2,
 ) -> None:
-    """A real model's training step (2x128 tokens, AdamW): this project's package vs PyTorch."""
+    """A real model's training step (2x128 tokens, AdamW): this project's package vs PyTorch,
+    full fine-tuning and LoRA (rank 8 on q, v; against peft)."""
     run_benchmark("train_step.py", ["--model", model.value, "--rounds", str(rounds), "--steps",
                                     str(steps)] + (["--compile"] if compile else []))
 

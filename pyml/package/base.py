@@ -141,21 +141,11 @@ class Model:
         Hugging Face's Llama and Gemma), torch.nn.Linear's U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for
         sequential ones, gains 1 (or 0 where the gain is 1 + w) and biases 0."""
         model = cls(dtype, device)
-        rng = np.random.default_rng(seed)
-        host = {}
         host_params = cls.host_parameters()
         table = dict(cls.TENSOR_TABLE(host_params))
         if cls.FROZEN_TENSOR_TABLE is not None:
             table |= cls.FROZEN_TENSOR_TABLE(host_params)
-        for name, (view, init, fan_in) in table.items():
-            if init == "normal":
-                host[name] = rng.normal(0.0, 0.02, view.shape)
-            elif init == "uniform":
-                bound = 1.0 / math.sqrt(fan_in)
-                host[name] = rng.uniform(-bound, bound, view.shape)
-            else:
-                host[name] = np.ones(view.shape) if init == "ones" else np.zeros(view.shape)
-        model.load_tensors(host, "initialisation")
+        model.load_tensors(initial_tensors(table, seed), "initialisation")
         return model
 
     @classmethod
@@ -205,8 +195,11 @@ class Model:
         path = Path(path)
         if path.is_dir():
             path = path / "model.safetensors"
-        model = cls.initialized(seed, dtype, device)
-        model.load_tensors(model.adapter_tensors() | read_safetensors(path), str(path))
+        model = cls(dtype, device)
+        # the adapters come first in `initialized`'s table, so they draw the same values here
+        # without drawing (and holding) a random base that the file would replace
+        table = cls.TENSOR_TABLE(cls.Parameters(np.zeros(cls.Parameters.SIZE)))
+        model.load_tensors(initial_tensors(table, seed) | read_safetensors(path), str(path))
         return model
 
     def adapter_tensors(self):
@@ -460,6 +453,22 @@ class AdamW:
         self.model.device.to_device(state["exp_avg"], self.exp_avg)
         self.model.device.to_device(state["exp_avg_sq"], self.exp_avg_sq)
         self.step_count = step_count
+
+
+def initial_tensors(table, seed):
+    """Each tensor of `table` ({name: (view, init, fan_in)}) drawn as `Model.initialized` says,
+    in the table's order from one generator seeded with `seed`."""
+    rng = np.random.default_rng(seed)
+    host = {}
+    for name, (view, init, fan_in) in table.items():
+        if init == "normal":
+            host[name] = rng.normal(0.0, 0.02, view.shape)
+        elif init == "uniform":
+            bound = 1.0 / math.sqrt(fan_in)
+            host[name] = rng.uniform(-bound, bound, view.shape)
+        else:
+            host[name] = np.ones(view.shape) if init == "ones" else np.zeros(view.shape)
+    return host
 
 
 def train_step(model, optimizer, inputs, targets):

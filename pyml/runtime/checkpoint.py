@@ -9,6 +9,10 @@ follow, the data position and generator state, the losses so far and the run's c
 checkpoint is written into a hidden temporary folder and renamed into place, so any `step_*`
 folder is complete; the latest is the one with the highest step. Older ones are deleted only
 after a newer one is in place, so a crash never leaves a run without one.
+
+The checkpoint of a LoRA model (one with frozen base weights) is a `peft` adapter folder instead
+(`pyml.runtime.lora`: adapter_config.json, adapter_model.safetensors, the tokenizer) beside the
+same optimizer.safetensors, which then holds the adapters' AdamW state, and state.json.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from pyml.errors import PymlError
+from pyml.runtime.lora import ADAPTER_MODEL_FILE, read_adapter_tensors, write_adapter_folder
 from pyml.runtime.model_folder import MODEL_FILE, write_model_folder
 from pyml.runtime.safetensors_io import atomic_write, read_safetensors, write_safetensors
 
@@ -57,7 +62,7 @@ def save_checkpoint(
 ) -> Path:
     """Write the checkpoint of `state["step"]` into `out` and return its folder; then delete the
     older checkpoints. `model_files` (name -> content) are the model folder's files beside the
-    weights (`model_folder.folder_files`). A checkpoint already saved for that step is kept as it
+    weights (`model_folder.folder_files`, or `lora.adapter_files` for a LoRA model). A checkpoint already saved for that step is kept as it
     is (the same run at the same step has the same weights, optimizer state and data position)."""
     out = Path(out)
     final = out / checkpoint_name(state["step"])
@@ -67,7 +72,10 @@ def save_checkpoint(
             temporary = out / f".{final.name}.tmp"
             shutil.rmtree(temporary, ignore_errors=True)  # left by a run killed while saving
             temporary.mkdir()
-            write_model_folder(temporary, model, model_files or {})
+            if is_lora(model):
+                write_adapter_folder(temporary, model, model_files or {})
+            else:
+                write_model_folder(temporary, model, model_files or {})
             optimizer_state = optimizer.state()
             write_safetensors(
                 temporary / OPTIMIZER_FILE,
@@ -89,6 +97,11 @@ def save_checkpoint(
     return final
 
 
+def is_lora(model) -> bool:
+    """Whether `model` trains adapters on frozen base weights (its spec has a [lora] table)."""
+    return model.FROZEN_TENSOR_TABLE is not None
+
+
 def read_state(checkpoint: Path) -> dict:
     path = Path(checkpoint) / STATE_FILE
     try:
@@ -100,11 +113,15 @@ def read_state(checkpoint: Path) -> dict:
 
 
 def load_checkpoint(checkpoint: Path, model, optimizer) -> dict:
-    """Load the weights and optimizer state of `checkpoint` into `model` and `optimizer`; return
-    its state."""
+    """Load the weights (a LoRA model's adapters) and optimizer state of `checkpoint` into `model`
+    and `optimizer`; return its state."""
     checkpoint = Path(checkpoint)
     state = read_state(checkpoint)
-    model.load_tensors(read_safetensors(checkpoint / MODEL_FILE), str(checkpoint / MODEL_FILE))
+    if is_lora(model):
+        model.load_adapter_tensors(read_adapter_tensors(checkpoint),
+                                   str(checkpoint / ADAPTER_MODEL_FILE))
+    else:
+        model.load_tensors(read_safetensors(checkpoint / MODEL_FILE), str(checkpoint / MODEL_FILE))
     if state.get("parameter_layout") != model.params.LAYOUT:
         raise PymlError(
             f"{checkpoint}: its optimizer state is laid out for other parameters "

@@ -81,9 +81,11 @@ def generated_package(spec: DecoderModel, spec_path: Path) -> ModuleType:
                         f"`pyml gen {spec_path}` first") from None
 
 
-def load_model(model_dir: Path, spec_path: Path | None = None, device: str = "cpu"):
+def load_model(model_dir: Path, spec_path: Path | None = None, device: str = "cpu",
+               adapter: Path | None = None):
     """The model of `model_dir` in its generated package; `spec_path` (default: the folder's
-    spec.toml) names the spec, hence the package."""
+    spec.toml) names the spec, hence the package. `adapter` (a LoRA adapter folder of
+    `model_dir`) is folded into the weights as `pyml merge-lora` folds it."""
     model_dir = existing_folder(model_dir)
     spec_path = folder_spec_path(model_dir) if spec_path is None else Path(spec_path)
     spec = load_decoder_spec(spec_path)
@@ -92,7 +94,13 @@ def load_model(model_dir: Path, spec_path: Path | None = None, device: str = "cp
     if mismatches:
         raise PymlError(f"{model_dir} does not hold the model of {spec_path}: " + "; ".join(mismatches))
     package = generated_package(spec, spec_path)
-    return package.Model.from_safetensors(model_dir / "model.safetensors", device=device)
+    if adapter is None:
+        return package.Model.from_safetensors(model_dir / "model.safetensors", device=device)
+    from pyml.runtime.lora import merged_tensors
+
+    model = package.Model(device=device)
+    model.load_tensors(merged_tensors(model_dir, Path(adapter)), f"{model_dir} with {adapter}")
+    return model
 
 
 def load_tokenizer(model_dir: Path) -> Tokenizer:

@@ -36,6 +36,9 @@ def smoothed(losses: list[float]) -> list[float]:
 def describe_settings(config) -> str:
     """The settings a run (a `TrainingConfig`) trained with, in two lines."""
     start = f"from {config.init}" if config.init else "from fresh weights"
+    if config.lora:
+        start += (f", LoRA rank {config.lora['rank']} alpha {config.lora['alpha']:g} on "
+                  f"{','.join(config.lora['targets'])}")
     rows = f"{config.batch} x {config.seq} tokens" if config.seq else f"{config.batch} examples"
     clip = f"clip {config.max_grad_norm:g}" if config.max_grad_norm else "no clipping"
     return (

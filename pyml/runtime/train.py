@@ -45,6 +45,7 @@ from pyml.runtime.data import (
     start_id,
 )
 from pyml.runtime.distributed import SingleProcess
+from pyml.runtime.lora import LORA_FLAGS, adapter_files, lora_settings, lora_spec
 from pyml.runtime.loss_curve import write_loss_curve
 from pyml.runtime.model_folder import folder_files
 
@@ -90,6 +91,7 @@ class TrainingConfig:
     device: str
     init: str | None = None
     data: str | None = None
+    lora: dict | None = None  # the [lora] table --lora-rank added to the spec: rank, alpha, targets
 
 
 @dataclass
@@ -121,15 +123,19 @@ def train(
     eval_batches: int | None = None,
     progress: bool = True,
     group=None,
+    lora_rank: int | None = None,
+    lora_alpha: float | None = None,
+    lora_targets: list[str] | None = None,
 ) -> TrainingResult:
     """Train the generated package of the spec at `spec_path`; options left as None take the
     checkpoint's values when resuming, else the defaults above. Prints a summary at the end.
-    `group` is this process's part in data-parallel training (`pyml.runtime.distributed`)."""
+    `group` is this process's part in data-parallel training (`pyml.runtime.distributed`).
+    `lora_rank` (with `lora_alpha` and `lora_targets`) trains LoRA adapters instead (see above)."""
     from pyml.spec import SequentialModel, load_spec
 
     spec = load_spec(spec_path)
-    package = import_generated(spec.name, spec_path)
     form = "sequential" if isinstance(spec, SequentialModel) else "decoder"
+    given_lora = {"rank": lora_rank, "alpha": lora_alpha, "targets": lora_targets}
     given = {
         "steps": steps, "batch": batch, "seq": seq, "lr": lr, "weight_decay": weight_decay,
         "max_grad_norm": max_grad_norm, "eval_every": eval_every, "eval_batches": eval_batches,
@@ -151,27 +157,42 @@ def train(
             raise PymlError(
                 f"{checkpoint} was trained from spec '{base['spec']}', not '{spec.name}'"
             )
+        check_lora_on_resume(given_lora, base.get("lora"), checkpoint)
+        lora = base.get("lora")
     else:
         base = {**COMMON_DEFAULTS, **FORM_DEFAULTS[form], "spec": spec.name}
-    values = {**base, **{name: value for name, value in given.items() if value is not None}}
+        lora = new_lora(given_lora, form)
+    values = {**base, **{name: value for name, value in given.items() if value is not None},
+              "lora": lora}
     config = TrainingConfig(
         **{field.name: values.get(field.name) for field in dataclasses.fields(TrainingConfig)}
     )
     check_config(config)
+    if config.lora is None:
+        package = import_generated(spec.name, spec_path)
+    else:
+        spec, package = lora_spec(spec_path, config.lora)
     if form == "sequential":
         train_pairs, held_out_pairs = digits_pairs(config, package)
     else:
         train_pairs, held_out_pairs = text_pairs(config, package)
     dtype_and_device = {"dtype": np.dtype(config.dtype), "device": config.device}
-    if resume or config.init is not None:
-        model = package.Model(**dtype_and_device)
-        if not resume:  # a resume loads the checkpoint's weights instead
-            model.load_tensors(*init_weights(Path(config.init)))
+    lora_table = spec.lora if form == "decoder" else None  # the spec's own, or the flags'
+    if lora_table is not None:
+        # a resume then loads the checkpoint's adapters over the freshly initialised ones
+        model = package.Model.from_base(Path(config.init), seed=config.seed, **dtype_and_device)
+        model_files = adapter_files(lora_table, Path(config.init))
     else:
-        model = package.Model.initialized(seed=config.seed, **dtype_and_device)
+        if resume or config.init is not None:
+            model = package.Model(**dtype_and_device)
+            if not resume:  # a resume loads the checkpoint's weights instead
+                model.load_tensors(*init_weights(Path(config.init)))
+        else:
+            model = package.Model.initialized(seed=config.seed, **dtype_and_device)
+        model_files = folder_files(spec_path, None if config.init is None else Path(config.init))
     result = run_training(
         package, model, train_pairs, held_out_pairs, config, Path(out), resume, progress, group,
-        folder_files(spec_path, None if config.init is None else Path(config.init)),
+        model_files,
     )
     print(describe_result(result, Path(out)))
     return result
@@ -290,6 +311,32 @@ def run_training(
             if step % config.checkpoint_every == 0 or step == config.steps:
                 checkpoint = save()
     return TrainingResult(step, train_losses, evaluations, checkpoint, False)
+
+
+def new_lora(given: dict, form: str) -> dict | None:
+    """The [lora] table a new run adds to its spec: None without --lora-rank."""
+    if given["rank"] is None:
+        if given["alpha"] is not None or given["targets"] is not None:
+            raise PymlError("--lora-alpha and --lora-targets need --lora-rank")
+        return None
+    if form != "decoder":
+        raise PymlError("--lora-rank adapts a decoder's projections; this spec is a sequential model")
+    return lora_settings(given["rank"], given["alpha"], given["targets"])
+
+
+def check_lora_on_resume(given: dict, recorded: dict | None, checkpoint: Path) -> None:
+    """Refuse LoRA flags that differ from what the checkpoint's run trained."""
+    for name, value in given.items():
+        if value is None:
+            continue
+        if recorded is None:
+            raise PymlError(f"{LORA_FLAGS[name]}: {checkpoint} is not a LoRA run (it was trained "
+                            "without --lora-rank); leave it out to resume, or start a new --out")
+        if value != recorded[name]:
+            shown = ",".join(value) if name == "targets" else value
+            theirs = ",".join(recorded[name]) if name == "targets" else recorded[name]
+            raise PymlError(f"{LORA_FLAGS[name]} {shown} differs from the checkpoint's {theirs} "
+                            f"({checkpoint}); leave it out to resume, or start a new --out")
 
 
 def last_good(checkpoint: Path | None) -> str:

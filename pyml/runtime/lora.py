@@ -1,0 +1,202 @@
+"""LoRA runs: the spec a `pyml train --lora-rank` run trains, its checkpoints in the `peft`
+library's adapter layout, and `pyml merge-lora`, which folds an adapter into its base.
+
+A LoRA checkpoint holds the adapters only, as `peft`'s `save_pretrained` writes them, so that
+`PeftModel.from_pretrained(base, CHECKPOINT)` loads it:
+
+    adapter_config.json        peft_type LORA, task_type CAUSAL_LM, r, lora_alpha, target_modules
+                               (q_proj, v_proj, ...), base_model_name_or_path (the --init folder)
+    adapter_model.safetensors  A and B of every adapted projection, under peft's names:
+                               base_model.model.<the base tensor's name less .weight>.lora_A.weight
+    tokenizer.json, tokenizer_config.json, chat_template.jinja (the base's, where it has them)
+
+The base weights stay in the --init folder: a checkpoint is a few MB, not a copy of the model.
+`merge-lora` (and `pyml generate --adapter`) read any plain LoRA adapter folder of the base, as
+peft writes one, not only ours.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import numpy as np
+
+from pyml.errors import PymlError
+from pyml.runtime.model_folder import DESCRIPTION_FILES, MODEL_FILE, SPEC_FILE
+from pyml.runtime.safetensors_io import atomic_write, read_safetensors, write_safetensors
+
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_MODEL_FILE = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."  # peft's wrapper (PeftModel.base_model.model) in tensor names
+# The spec's LoRA targets as the projections' module names in Hugging Face's Llama and Gemma 3.
+PEFT_MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
+                "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+LORA_FLAGS = {"rank": "--lora-rank", "alpha": "--lora-alpha", "targets": "--lora-targets"}
+
+
+def parse_targets(text: str) -> list[str]:
+    """`--lora-targets q,k,v` as a list; the spec's check names any unknown one."""
+    return [target.strip() for target in text.split(",") if target.strip()]
+
+
+def lora_settings(rank: int, alpha: float | None, targets: list[str] | None) -> dict:
+    """The [lora] table of the flags, the spec language's defaults filled in (recorded in
+    state.json, so that a resume can compare)."""
+    from pyml.spec.layers import LoRA
+
+    fields = LoRA.model_fields  # the defaults only: the spec's check judges the values
+    return {"rank": rank, "alpha": fields["alpha"].get_default() if alpha is None else alpha,
+            "targets": fields["targets"].get_default() if targets is None else targets}
+
+
+def lora_spec(spec_path: Path, settings: dict):
+    """(spec, package) of the spec at `spec_path` with the [lora] table `settings` added, checked
+    as `pyml gen` checks a spec, generated under .pyml/derived/ (never into gen/)."""
+    from pyml.codegen.derived import derived_package
+    from pyml.spec import parse_spec
+
+    data = tomllib.loads(Path(spec_path).read_text(encoding="utf-8"))
+    if "lora" in data:
+        raise PymlError(f"{spec_path} already has a [lora] table: train it without --lora-rank, "
+                        "--lora-alpha and --lora-targets, or remove the table")
+    data["lora"] = settings
+    # checked here so that an error names the user's spec and flags, not the derived file
+    parse_spec(data, f"{spec_path} with --lora-rank {settings['rank']}")
+    return derived_package(data)
+
+
+def adapter_config(lora, base: str) -> dict:
+    """What `peft.LoraConfig(...).save_pretrained` writes for this adapter (the keys that define
+    it; peft fills the others with their defaults when it reads the file)."""
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
+        "r": lora.rank, "lora_alpha": lora.alpha,
+        "target_modules": sorted(PEFT_MODULES[target] for target in lora.targets),
+        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+        "use_dora": False, "init_lora_weights": True, "inference_mode": True,
+        "modules_to_save": None, "layers_to_transform": None, "rank_pattern": {},
+        "alpha_pattern": {},
+    }  # fmt: skip
+
+
+def adapter_files(lora, init: Path) -> dict[str, bytes]:
+    """The files a LoRA checkpoint holds beside the adapters: adapter_config.json and the
+    tokenizer files of the base folder `init`."""
+    config = json.dumps(adapter_config(lora, str(init)), indent=2) + "\n"
+    files = {ADAPTER_CONFIG_FILE: config.encode("utf-8")}
+    for name in TOKENIZER_FILES:
+        if (Path(init) / name).is_file():
+            files[name] = (Path(init) / name).read_bytes()
+    return files
+
+
+def write_adapter_folder(folder: Path, model, files: dict[str, bytes]) -> None:
+    """Write a LoRA `model`'s adapters under peft's names, and `files`, into `folder`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {PEFT_PREFIX + name: np.ascontiguousarray(tensor)
+               for name, tensor in model.adapter_tensors().items()}
+    write_safetensors(folder / ADAPTER_MODEL_FILE, tensors)
+    for name, content in files.items():
+        atomic_write(folder / name, lambda handle, content=content: handle.write(content))
+
+
+def read_adapter_tensors(folder: Path) -> dict[str, np.ndarray]:
+    """The adapters of a peft adapter folder under our tensor names (no wrapper prefix)."""
+    path = Path(folder) / ADAPTER_MODEL_FILE
+    tensors = read_safetensors(path)
+    foreign = [name for name in tensors if not name.startswith(PEFT_PREFIX)]
+    if foreign:
+        raise PymlError(f"{path}: tensor {foreign[0]} is not named as peft names a LoRA "
+                        f"adapter ({PEFT_PREFIX}...lora_A.weight)")
+    return {name.removeprefix(PEFT_PREFIX): tensor for name, tensor in tensors.items()}
+
+
+def read_adapter_config(folder: Path) -> dict:
+    path = Path(folder) / ADAPTER_CONFIG_FILE
+    if not path.is_file():
+        raise PymlError(f"{path}: missing; ADAPTER must be a LoRA checkpoint of `pyml train "
+                        "--lora-rank` or a folder peft's save_pretrained wrote")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        raise PymlError(f"{path}: not valid JSON ({error.msg}, line {error.lineno})") from None
+    if config.get("peft_type") != "LORA":
+        raise PymlError(f"{path}: peft_type is {config.get('peft_type')!r}, not 'LORA'")
+    for key in ("use_dora", "use_rslora", "fan_in_fan_out"):
+        if config.get(key):
+            raise PymlError(f"{path}: {key} is set; merge-lora folds plain LoRA adapters only")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if config.get(key):
+            raise PymlError(f"{path}: {key} is set; merge-lora folds one rank and alpha only")
+    if not (isinstance(config.get("r"), int) and config["r"] > 0
+            and isinstance(config.get("lora_alpha"), (int, float))):
+        raise PymlError(f"{path}: needs a positive integer r and a number lora_alpha")
+    return config
+
+
+def merged_tensors(base: Path, adapter: Path) -> dict[str, np.ndarray]:
+    """The base folder's tensors with every adapted projection W replaced by
+    W + (lora_alpha / r) B A, in W's dtype; every adapter tensor checked against the base."""
+    config = read_adapter_config(adapter)
+    adapters = read_adapter_tensors(adapter)
+    base_path = Path(base) / MODEL_FILE
+    tensors = read_safetensors(base_path)
+    adapter_path = Path(adapter) / ADAPTER_MODEL_FILE
+    if not adapters:
+        raise PymlError(f"{adapter_path}: holds no adapter tensors")
+    scale = config["lora_alpha"] / config["r"]
+    merged = dict(tensors)
+    for name in adapters:
+        if not name.endswith((".lora_A.weight", ".lora_B.weight")):
+            raise PymlError(f"{adapter_path}: {PEFT_PREFIX}{name} is neither a lora_A nor a "
+                            "lora_B weight")
+    for module in sorted({name.rsplit(".lora_", 1)[0] for name in adapters}):
+        names = {part: f"{module}.lora_{part}.weight" for part in "AB"}
+        for name in names.values():
+            if name not in adapters:
+                raise PymlError(f"{adapter_path}: {PEFT_PREFIX}{name} missing")
+        down, up = adapters[names["A"]], adapters[names["B"]]
+        weight_name = f"{module}.weight"
+        if weight_name not in tensors:
+            raise PymlError(f"{adapter_path}: adapts {weight_name}, which {base_path} does not "
+                            "hold; is ADAPTER an adapter of this base?")
+        weight = tensors[weight_name]
+        if down.ndim != 2 or up.ndim != 2 or down.shape[0] != config["r"] or up.shape != (
+                weight.shape[0], config["r"]) or down.shape[1] != weight.shape[1]:
+            raise PymlError(
+                f"{adapter_path}: {module} has lora_A {down.shape} and lora_B {up.shape}; the base's "
+                f"{weight_name} {weight.shape} with r {config['r']} needs lora_A "
+                f"({config['r']}, {weight.shape[1]}) and lora_B ({weight.shape[0]}, {config['r']})")
+        update = up.astype(np.float64) @ down.astype(np.float64)
+        merged[weight_name] = (weight.astype(np.float64) + scale * update).astype(weight.dtype)
+    return merged
+
+
+def merge_lora(base: Path, adapter: Path, out: Path) -> Path:
+    """Write the model folder of `base` with `adapter` folded in to `out`: model.safetensors,
+    and the base's spec.toml (a spec without [lora]), config, tokenizer and chat template. Every
+    input is checked before anything is written."""
+    base, adapter, out = Path(base), Path(adapter), Path(out)
+    for folder, what in ((base, "BASE"), (adapter, "ADAPTER")):
+        if not folder.is_dir():
+            raise PymlError(f"{folder}: not a folder ({what})")
+    if not (base / SPEC_FILE).is_file():
+        raise PymlError(f"{base / SPEC_FILE}: missing; BASE must be a model folder from "
+                        "`pyml import-gguf` or a full fine-tune's checkpoint")
+    if "lora" in tomllib.loads((base / SPEC_FILE).read_text(encoding="utf-8")):
+        raise PymlError(f"{base / SPEC_FILE} has a [lora] table: BASE must be a model "
+                        "without adapters")
+    if out.resolve() == base.resolve():
+        raise PymlError(f"--out {out} is BASE: write the merged model to another folder")
+    tensors = merged_tensors(base, adapter)
+    out.mkdir(parents=True, exist_ok=True)
+    write_safetensors(out / MODEL_FILE, tensors)
+    for name in (SPEC_FILE, *DESCRIPTION_FILES):
+        if (base / name).is_file():
+            content = (base / name).read_bytes()
+            atomic_write(out / name, lambda handle, content=content: handle.write(content))
+    return out
