@@ -95,6 +95,23 @@ def load_model(model_dir: Path, spec_path: Path | None = None, device: str = "cp
     return package.Model.from_safetensors(model_dir / "model.safetensors", device=device)
 
 
+def load_decoder(model_dir: Path, spec_path: Path | None = None, device: str = "cpu",
+                 weights: str = "as-stored"):
+    """What `pyml generate` decodes with: the float32 model (`load_model`) for --weights f32, and
+    for a folder that stores float32 only; otherwise a `QuantizedDecoder` on the weights asked for
+    (pyml/runtime/quantized_decoding.py says what each --weights means)."""
+    from pyml.runtime.quantized_decoding import SOURCE_GGUF, QuantizedDecoder, check_weights
+
+    check_weights(weights)
+    gguf_path = existing_folder(model_dir) / SOURCE_GGUF
+    if weights == "f32" or (weights == "as-stored" and not gguf_path.is_file()):
+        return load_model(model_dir, spec_path, device)
+    if device != "cpu":
+        raise PymlError(f"--weights {weights} runs the fused decode step, which is CPU-only: add "
+                        "--weights f32 to decode on the GPU")
+    return QuantizedDecoder(load_model(model_dir, spec_path, device), weights, gguf_path)
+
+
 def load_tokenizer(model_dir: Path) -> Tokenizer:
     path = existing_folder(model_dir) / "tokenizer.json"
     try:

@@ -1,0 +1,188 @@
+"""Decoding on quantized weights through a package's fused decode step (gen/<name>/decode_cpu.py).
+
+`pyml generate --weights` picks the weights the linear maps run on:
+
+    as-stored  as the GGUF the folder was imported from stores them (`pyml import-gguf` keeps a copy,
+               source.gguf): Q8_0, Q4_0, Q4_1, Q4_K and Q6_K stay quantized; a linear op whose
+               tensors are of another type, or of different types across its parts or layers (a
+               Q4_K_M file mixes Q4_K and Q6_K), runs on float32 rows. A folder without
+               source.gguf (a training checkpoint) stores float32: as-stored is then f32.
+    q8_0, q4_0, q4_1  every linear weight quantized from the folder's float32 weights by llama.cpp's
+               reference quantizer (pyml.runtime.quantize).
+    f32        the float32 package's own decoding step, unchanged.
+
+The prompt runs through the float32 package's matrix-matrix forward (prefill), whose keys and
+values seed the fused step's cache. Both run the same weights: as-stored, the folder's float32
+weights are the GGUF's dequantized (that is what import-gguf writes); quantized from float32, the
+float32 model's linear weights are replaced by the dequantization of their quantized blocks.
+Training never sees any of this: it loads the float32 folder.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+
+from pyml.errors import PymlError
+from pyml.package.decode_cpu import DENSE, Q4_RUNS_OF_16, Q4_RUNS_OF_32, Q6, Q8
+from pyml.runtime.gguf_import import SOURCE_GGUF
+from pyml.runtime.gguf_quantized import quantized_matrix
+from pyml.runtime.quant import GGMLType, dequantize
+from pyml.runtime.quantize import quantize
+
+WEIGHT_FORMATS = ("as-stored", "f32", "q8_0", "q4_0", "q4_1")
+QUANTIZE_TO = {"q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0, "q4_1": GGMLType.Q4_1}
+# the fused step's kind of each type kept quantized, and where the kept arrays go in its tuple
+STEP_KINDS = {GGMLType.Q4_0: Q4_RUNS_OF_16, GGMLType.Q4_1: Q4_RUNS_OF_16,
+              GGMLType.Q4_K: Q4_RUNS_OF_32, GGMLType.Q8_0: Q8, GGMLType.Q6_K: Q6}
+
+
+def check_weights(weights: str) -> str:
+    if weights not in WEIGHT_FORMATS:
+        raise PymlError(f"--weights must be one of {', '.join(WEIGHT_FORMATS)}, not {weights!r}")
+    return weights
+
+
+def decode_module(model) -> ModuleType:
+    """The fused decode step of `model`'s generated package."""
+    package = type(model).__module__.rsplit(".", 1)[0]
+    try:
+        return importlib.import_module(f"{package}.decode_cpu")
+    except ModuleNotFoundError as error:
+        if error.name != f"{package}.decode_cpu":
+            raise
+        raise PymlError(f"{package} has no fused decode step (a LoRA spec decodes in float32, and a "
+                        f"package generated before it existed needs `pyml gen`): use --weights f32") from None
+
+
+def weight_tuple(kind: int, layers: list[dict[str, np.ndarray]], rows: int) -> tuple:
+    """The step's (kind, packed, high, scale, offset, dense), each (layers, rows, width) with the
+    arrays a layer does not have as width 0."""
+    dtypes = {"packed": np.uint8, "high": np.uint8, "scale": np.float32, "offset": np.float32,
+              "dense": np.float32}
+    arrays = []
+    for name, dtype in dtypes.items():
+        if name in layers[0]:
+            arrays.append(np.ascontiguousarray(np.stack([layer[name].view(dtype) for layer in layers])))
+        else:
+            arrays.append(np.zeros((len(layers), rows, 0), dtype))
+    return (kind, *arrays)
+
+
+def kept_arrays(ggml_type: GGMLType, arrays: tuple[np.ndarray, ...]) -> dict[str, np.ndarray]:
+    """gguf_quantized's arrays of a matrix under the step's names."""
+    if ggml_type == GGMLType.Q8_0:
+        return {"packed": arrays[0], "scale": arrays[1]}
+    if ggml_type == GGMLType.Q6_K:
+        return dict(zip(("packed", "high", "scale"), arrays))
+    return dict(zip(("packed", "scale", "offset"), arrays))
+
+
+def layer_weights(param) -> list[np.ndarray]:
+    """A weight parameter's matrix per layer: a per-layer parameter is a list of views."""
+    return list(param) if isinstance(param, list) else [param]
+
+
+def requantized_weights(model, linears, target: GGMLType) -> dict[str, tuple]:
+    """Every linear weight quantized to `target`, and the float32 model's weights replaced by the
+    dequantization of those blocks (so the prefill runs the same weights)."""
+    weights = {}
+    for prefix, attr, _, _ in linears:
+        layers = []
+        for weight in layer_weights(getattr(model.params, attr)):
+            rows, columns = weight.shape
+            if columns % 32:
+                raise PymlError(f"{attr}: rows of {columns} values are not whole {target.name} "
+                                "blocks of 32; use --weights f32")
+            raw = quantize(weight, target).reshape(-1)
+            weight[:] = dequantize(raw, target, weight.shape)
+            layers.append(kept_arrays(target, quantized_matrix(raw, int(target), (rows, columns)).arrays))
+        weights[prefix] = weight_tuple(STEP_KINDS[target], layers, rows)
+    return weights
+
+
+def stored_weights(model, linears, gguf_path: Path) -> dict[str, tuple]:
+    """Every linear weight as the GGUF stores it where one kept type covers all its parts and
+    layers, else as float32 rows (the folder's weights, the same values)."""
+    from pyml.runtime.gguf_architectures import architecture_of
+    from pyml.runtime.gguf_read import read_gguf
+
+    gguf = read_gguf(gguf_path)
+    architecture = architecture_of(gguf)
+    gguf_names = {architecture.hf_name(name): name for name in gguf.tensors}
+    weights = {}
+    for prefix, attr, _, tensors in linears:
+        matrices = layer_weights(getattr(model.params, attr))
+        per_layer = isinstance(getattr(model.params, attr), list)
+        sources = [[gguf_names.get(name.format(l=l) if per_layer else name) for name, _, _ in tensors]
+                   for l in range(len(matrices))]
+        types = {gguf.tensors[name].ggml_type if name else None for names in sources for name in names}
+        rows = matrices[0].shape[0]
+        if len(types) != 1 or next(iter(types)) not in STEP_KINDS:
+            weights[prefix] = weight_tuple(DENSE, [{"dense": np.ascontiguousarray(m)} for m in matrices], rows)
+            continue
+        ggml_type = next(iter(types))
+        layers = []
+        for names in sources:
+            parts = []
+            for name in names:
+                tensor = gguf.tensors[name]
+                matrix = quantized_matrix(np.asarray(tensor.data), int(ggml_type), tensor.shape)
+                # the row order the import gave the float32 weight (llama's rotary q and k rows)
+                order = architecture.hf_weight(name, np.arange(tensor.shape[0])[:, None])[:, 0]
+                parts.append(matrix.rows(order).arrays)
+            layers.append(kept_arrays(ggml_type, tuple(np.concatenate(arrays) for arrays in zip(*parts))))
+        weights[prefix] = weight_tuple(STEP_KINDS[ggml_type], layers, rows)
+    return weights
+
+
+@dataclass
+class FusedCache:
+    """A generation's state: the float32 package's one-position buffers (which hold the logits),
+    the step's arguments, and how many positions the cache holds."""
+
+    buffers: object
+    arguments: tuple
+    length: int
+    max_len: int
+
+
+class QuantizedDecoder:
+    """A float32 model for the prompt and the fused step on `weights` for each new token; what
+    `pyml.runtime.generate.generate` calls (start_decoding, decode) as on a package's Model."""
+
+    def __init__(self, model, weights: str, gguf_path: Path | None):
+        self.model, self.step = model, decode_module(model)
+        if weights == "as-stored":
+            self.weights = stored_weights(model, self.step.LINEARS, gguf_path)
+        else:
+            self.weights = requantized_weights(model, self.step.LINEARS, QUANTIZE_TO[weights])
+
+    def start_decoding(self, prompt_ids, max_len):
+        if np.shape(prompt_ids)[0] != 1:
+            raise PymlError("the fused decode step runs one sequence at a time")
+        cache, logits = self.model.start_decoding(prompt_ids, max_len)
+        keys, values = [], []
+        for layer_keys, layer_values in zip(cache.keys, cache.values):
+            # the float32 cache's layers, one array per attention op: (layers, 1, slots, kv, head dim)
+            slots = max(array.shape[1] for array in layer_keys)
+            for source, target in ((layer_keys, keys), (layer_values, values)):
+                stacked = np.zeros((len(source), *source[0].shape[:1], slots, *source[0].shape[2:]),
+                                   np.float32)
+                for layer, array in enumerate(source):
+                    stacked[layer, :, :array.shape[1]] = array
+                target.append(stacked)
+        arguments = self.step.step_arguments(self.model, cache, self.weights, keys, values)
+        return FusedCache(cache, arguments, cache.length, cache.max_len), logits
+
+    def decode(self, cache: FusedCache, next_ids):
+        if cache.length >= cache.max_len:
+            raise PymlError(f"the decoding cache is full ({cache.max_len} positions)")
+        self.model.load_batch(np.reshape(next_ids, (-1, 1)), cache.buffers.ids, "next_ids")
+        self.step.decode_step(cache.length, *cache.arguments)
+        cache.length += 1
+        return cache.buffers.logits.copy()
