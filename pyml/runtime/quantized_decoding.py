@@ -29,7 +29,6 @@ import numpy as np
 
 from pyml.errors import PymlError
 from pyml.package.decode_cpu import DENSE, Q4_RUNS_OF_16, Q4_RUNS_OF_32, Q6, Q8
-from pyml.runtime.gguf_import import SOURCE_GGUF
 from pyml.runtime.gguf_quantized import quantized_matrix
 from pyml.runtime.quant import GGMLType, dequantize
 from pyml.runtime.quantize import quantize
