@@ -163,7 +163,7 @@ def generate(
     """Generate text with the generated package of the folder's spec (gen/<name>/) and a KV cache,
     streaming tokens as they come."""
     from pyml.runtime import generate as generation
-    from pyml.runtime.quantized_decoding import check_weights
+    from pyml.runtime.quantized_decoding import QuantizedDecoder, check_weights
 
     check_weights(weights)
     if temperature < 0 or not 0 < top_p <= 1:
@@ -174,8 +174,10 @@ def generate(
     result = generation.generate(loaded, tokenizer, ids, max_new_tokens, generation.eos_ids(model),
                                  temperature, top_p, seed)
     print()
+    formats = (f"; weights {loaded.describe_formats()}" if isinstance(loaded, QuantizedDecoder)
+               else "; weights float32")
     print(f"prefill: {len(result.prompt_ids)} tokens at {result.prefill_tokens_per_s:.1f} tokens/s; "
-          f"decode: {len(result.new_ids)} tokens at {result.decode_tokens_per_s:.1f} tokens/s",
+          f"decode: {len(result.new_ids)} tokens at {result.decode_tokens_per_s:.1f} tokens/s{formats}",
           file=sys.stderr)
 
 

@@ -100,7 +100,8 @@ def load_decoder(model_dir: Path, spec_path: Path | None = None, device: str = "
     """What `pyml generate` decodes with: the float32 model (`load_model`) for --weights f32, and
     for a folder that stores float32 only; otherwise a `QuantizedDecoder` on the weights asked for
     (pyml/runtime/quantized_decoding.py says what each --weights means)."""
-    from pyml.runtime.quantized_decoding import SOURCE_GGUF, QuantizedDecoder, check_weights
+    from pyml.runtime.gguf_import import SOURCE_GGUF
+    from pyml.runtime.quantized_decoding import QuantizedDecoder, check_weights
 
     check_weights(weights)
     gguf_path = existing_folder(model_dir) / SOURCE_GGUF

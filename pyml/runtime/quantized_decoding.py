@@ -86,9 +86,9 @@ def layer_weights(param) -> list[np.ndarray]:
     return list(param) if isinstance(param, list) else [param]
 
 
-def requantized_weights(model, linears, target: GGMLType) -> dict[str, tuple]:
+def requantized_weights(model, linears, target: GGMLType) -> tuple[dict[str, tuple], dict[str, str]]:
     """Every linear weight quantized to `target`, and the float32 model's weights replaced by the
-    dequantization of those blocks (so the prefill runs the same weights)."""
+    dequantization of those blocks (so the prefill runs the same weights); with each op's format."""
     weights = {}
     for prefix, attr, _, _ in linears:
         layers = []
@@ -101,19 +101,19 @@ def requantized_weights(model, linears, target: GGMLType) -> dict[str, tuple]:
             weight[:] = dequantize(raw, target, weight.shape)
             layers.append(kept_arrays(target, quantized_matrix(raw, int(target), (rows, columns)).arrays))
         weights[prefix] = weight_tuple(STEP_KINDS[target], layers, rows)
-    return weights
+    return weights, {prefix: target.name for prefix in weights}
 
 
-def stored_weights(model, linears, gguf_path: Path) -> dict[str, tuple]:
+def stored_weights(model, linears, gguf_path: Path) -> tuple[dict[str, tuple], dict[str, str]]:
     """Every linear weight as the GGUF stores it where one kept type covers all its parts and
-    layers, else as float32 rows (the folder's weights, the same values)."""
+    layers, else as float32 rows (the folder's weights, the same values); with each op's format."""
     from pyml.runtime.gguf_architectures import architecture_of
     from pyml.runtime.gguf_read import read_gguf
 
     gguf = read_gguf(gguf_path)
     architecture = architecture_of(gguf)
     gguf_names = {architecture.hf_name(name): name for name in gguf.tensors}
-    weights = {}
+    weights, formats = {}, {}
     for prefix, attr, _, tensors in linears:
         matrices = layer_weights(getattr(model.params, attr))
         per_layer = isinstance(getattr(model.params, attr), list)
@@ -123,6 +123,7 @@ def stored_weights(model, linears, gguf_path: Path) -> dict[str, tuple]:
         rows = matrices[0].shape[0]
         if len(types) != 1 or next(iter(types)) not in STEP_KINDS:
             weights[prefix] = weight_tuple(DENSE, [{"dense": np.ascontiguousarray(m)} for m in matrices], rows)
+            formats[prefix] = "F32"
             continue
         ggml_type = next(iter(types))
         layers = []
@@ -136,7 +137,8 @@ def stored_weights(model, linears, gguf_path: Path) -> dict[str, tuple]:
                 parts.append(matrix.rows(order).arrays)
             layers.append(kept_arrays(ggml_type, tuple(np.concatenate(arrays) for arrays in zip(*parts))))
         weights[prefix] = weight_tuple(STEP_KINDS[ggml_type], layers, rows)
-    return weights
+        formats[prefix] = ggml_type.name
+    return weights, formats
 
 
 @dataclass
@@ -157,9 +159,18 @@ class QuantizedDecoder:
     def __init__(self, model, weights: str, gguf_path: Path | None):
         self.model, self.step = model, decode_module(model)
         if weights == "as-stored":
-            self.weights = stored_weights(model, self.step.LINEARS, gguf_path)
+            self.weights, self.formats = stored_weights(model, self.step.LINEARS, gguf_path)
         else:
-            self.weights = requantized_weights(model, self.step.LINEARS, QUANTIZE_TO[weights])
+            self.weights, self.formats = requantized_weights(model, self.step.LINEARS,
+                                                             QUANTIZE_TO[weights])
+
+    def describe_formats(self) -> str:
+        """The formats the linear maps run in, e.g. "Q4_1 (4 ops), Q8_0 (lm_head)"."""
+        ops: dict[str, list[str]] = {}
+        for prefix, name in self.formats.items():
+            ops.setdefault(name, []).append(prefix)
+        return ", ".join(f"{name} ({prefixes[0] if len(prefixes) == 1 else f'{len(prefixes)} ops'})"
+                         for name, prefixes in ops.items())
 
     def start_decoding(self, prompt_ids, max_len):
         if np.shape(prompt_ids)[0] != 1:
