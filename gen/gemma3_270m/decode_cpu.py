@@ -51,6 +51,7 @@ def decode_step(
     position,
     ids,
     embed,
+    embed_scale,
     input_layernorm_out,
     input_layernorm,
     input_layernorm_rstd,
@@ -103,7 +104,7 @@ def decode_step(
     self_attn_k_normed = self_attn_qk_normed[:, :, 4:5]
     self_attn_v = self_attn_qkv[:, :, 5:6]
     self_attn_heads_out_rows = self_attn_heads_out.reshape((1, 1024))
-    k.embed_forward(ids, embed, stream_in)
+    k.embed_forward_kernel(ids, embed, stream_in, embed_scale)
     for l in range(N_LAYERS):
         k.input_layernorm_forward(
             stream_in, input_layernorm[l], input_layernorm_out, input_layernorm_rstd
@@ -169,6 +170,7 @@ def step_arguments(model, c, weights, keys, values):
     return (
         c.ids,
         p.embed,
+        p.embed.dtype.type(k.EMBED_SCALE),
         c.input_layernorm_out,
         stack_layers(p.input_layernorm),
         c.input_layernorm_rstd,

@@ -87,6 +87,9 @@ class FusedStep:
             lines.append(f"add_bias({y}, {self.param(bias)})")
         return lines
 
+    def kernel_context(self, prefix: str) -> dict:
+        return next(context for _, context in self.graph.kernel_blocks if context.get("p") == prefix)
+
     def lines(self, ops: list[Op]) -> list[str]:
         """The statements of `ops` (one of head, block, tail); a residual join followed by the
         RMSNorm that reads it is one fused call, as in the float32 step."""
@@ -109,7 +112,13 @@ class FusedStep:
             elif op.kind == "residual":
                 lines.append(f"k.residual_add({x[0]}, {x[1]}, {y[0]})")
             elif op.kind == "embedding":
-                lines.append(f"k.{op.prefix}_forward({x[0]}, {self.param(op.params['weight'])}, {y[0]})")
+                table = self.param(op.params["weight"])
+                if self.kernel_context(op.prefix)["scale"] == 1.0:
+                    lines.append(f"k.{op.prefix}_forward({x[0]}, {table}, {y[0]})")
+                else:  # its `_forward` is Python: it rounds the scale to the table's dtype first
+                    scale = self.argument(f"{op.prefix}_scale",
+                                          f"p.{op.params['weight']}.dtype.type(k.{op.prefix.upper()}_SCALE)")
+                    lines.append(f"k.{op.prefix}_forward_kernel({x[0]}, {table}, {y[0]}, {scale})")
             elif op.kind in ("rmsnorm", "head_rmsnorm"):
                 lines.append(f"k.{op.prefix}_forward({x[0]}, {self.param(op.params['weight'])}, "
                              f"{y[0]}, {self.value(op.aux['rstd'])})")
