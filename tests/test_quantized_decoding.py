@@ -90,7 +90,7 @@ def test_fused_step_logits_equal_a_numpy_forward(weights):
     rng = np.random.default_rng(0)
     model = tiny.Model()
     model.params.flat[:] = rng.normal(0, 0.3, model.params.flat.shape)
-    decoder = QuantizedDecoder(model, weights, gguf_path=None)  # the float32 weights now dequantized
+    decoder = QuantizedDecoder.load(model, weights, gguf_path=None)  # the float32 weights now dequantized
     ids = rng.integers(0, tiny.VOCAB, 12).tolist()
     expected = reference_logits(model.params, ids)
     cache, logits = decoder.start_decoding(np.array([ids[:5]]), len(ids))

@@ -110,7 +110,7 @@ def load_decoder(model_dir: Path, spec_path: Path | None = None, device: str = "
     if device != "cpu":
         raise PymlError(f"--weights {weights} runs the fused decode step, which is CPU-only: add "
                         "--weights f32 to decode on the GPU")
-    return QuantizedDecoder(load_model(model_dir, spec_path, device), weights, gguf_path)
+    return QuantizedDecoder.load(load_model(model_dir, spec_path, device), weights, gguf_path)
 
 
 def load_tokenizer(model_dir: Path) -> Tokenizer:

@@ -60,16 +60,28 @@ def decode_module(model) -> ModuleType:
 
 def weight_tuple(kind: int, layers: list[dict[str, np.ndarray]], rows: int) -> tuple:
     """The step's (kind, packed, high, scale, offset, dense), each (layers, rows, width) with the
-    arrays a layer does not have as width 0."""
-    dtypes = {"packed": np.uint8, "high": np.uint8, "scale": np.float32, "offset": np.float32,
-              "dense": np.float32}
+    arrays a layer does not have as width 0. Dense rows keep the model's dtype."""
     arrays = []
-    for name, dtype in dtypes.items():
+    for name in ("packed", "high", "scale", "offset", "dense"):
         if name in layers[0]:
-            arrays.append(np.ascontiguousarray(np.stack([layer[name].view(dtype) for layer in layers])))
+            stacked = np.ascontiguousarray(np.stack([layer[name] for layer in layers]))
+            arrays.append(stacked.view(np.uint8) if name in ("packed", "high") else stacked)
         else:
+            dtype = np.uint8 if name in ("packed", "high") else np.float32
             arrays.append(np.zeros((len(layers), rows, 0), dtype))
     return (kind, *arrays)
+
+
+def float_rows(param) -> tuple:
+    """A weight parameter as the step's float rows: the values the folder holds, read without BLAS."""
+    matrices = layer_weights(param)
+    return weight_tuple(DENSE, [{"dense": matrix} for matrix in matrices], matrices[0].shape[0])
+
+
+def float_row_weights(model, linears) -> tuple[dict[str, tuple], dict[str, str]]:
+    """Every linear weight as float rows in the model's dtype, with each op's format."""
+    weights = {prefix: float_rows(getattr(model.params, attr)) for prefix, attr, _, _ in linears}
+    return weights, {prefix: np.dtype(model.params.flat.dtype).name.upper() for prefix in weights}
 
 
 def kept_arrays(ggml_type: GGMLType, arrays: tuple[np.ndarray, ...]) -> dict[str, np.ndarray]:
@@ -115,15 +127,13 @@ def stored_weights(model, linears, gguf_path: Path) -> tuple[dict[str, tuple], d
     gguf_names = {architecture.hf_name(name): name for name in gguf.tensors}
     weights, formats = {}, {}
     for prefix, attr, _, tensors in linears:
-        matrices = layer_weights(getattr(model.params, attr))
-        per_layer = isinstance(getattr(model.params, attr), list)
+        param = getattr(model.params, attr)
+        per_layer = isinstance(param, list)
         sources = [[gguf_names.get(name.format(l=l) if per_layer else name) for name, _, _ in tensors]
-                   for l in range(len(matrices))]
+                   for l in range(len(layer_weights(param)))]
         types = {gguf.tensors[name].ggml_type if name else None for names in sources for name in names}
-        rows = matrices[0].shape[0]
         if len(types) != 1 or next(iter(types)) not in STEP_KINDS:
-            weights[prefix] = weight_tuple(DENSE, [{"dense": np.ascontiguousarray(m)} for m in matrices], rows)
-            formats[prefix] = "F32"
+            weights[prefix], formats[prefix] = float_rows(param), "F32"
             continue
         ggml_type = next(iter(types))
         layers = []
@@ -136,7 +146,7 @@ def stored_weights(model, linears, gguf_path: Path) -> tuple[dict[str, tuple], d
                 order = architecture.hf_weight(name, np.arange(tensor.shape[0])[:, None])[:, 0]
                 parts.append(matrix.rows(order).arrays)
             layers.append(kept_arrays(ggml_type, tuple(np.concatenate(arrays) for arrays in zip(*parts))))
-        weights[prefix] = weight_tuple(STEP_KINDS[ggml_type], layers, rows)
+        weights[prefix] = weight_tuple(STEP_KINDS[ggml_type], layers, len(layers[0]["packed"]))
         formats[prefix] = ggml_type.name
     return weights, formats
 
@@ -156,13 +166,17 @@ class QuantizedDecoder:
     """A float32 model for the prompt and the fused step on `weights` for each new token; what
     `pyml.runtime.generate.generate` calls (start_decoding, decode) as on a package's Model."""
 
-    def __init__(self, model, weights: str, gguf_path: Path | None):
-        self.model, self.step = model, decode_module(model)
+    def __init__(self, model, step: ModuleType, weights: dict[str, tuple], formats: dict[str, str]):
+        self.model, self.step, self.weights, self.formats = model, step, weights, formats
+
+    @classmethod
+    def load(cls, model, weights: str, gguf_path: Path | None) -> QuantizedDecoder:
+        """`model` decoding on `weights` (a --weights value other than f32); as-stored reads
+        the GGUF at `gguf_path`."""
+        step = decode_module(model)
         if weights == "as-stored":
-            self.weights, self.formats = stored_weights(model, self.step.LINEARS, gguf_path)
-        else:
-            self.weights, self.formats = requantized_weights(model, self.step.LINEARS,
-                                                             QUANTIZE_TO[weights])
+            return cls(model, step, *stored_weights(model, step.LINEARS, gguf_path))
+        return cls(model, step, *requantized_weights(model, step.LINEARS, QUANTIZE_TO[weights]))
 
     def describe_formats(self) -> str:
         """The formats the linear maps run in, e.g. "Q4_1 (4 ops), Q8_0 (lm_head)"."""
@@ -182,7 +196,7 @@ class QuantizedDecoder:
             slots = max(array.shape[1] for array in layer_keys)
             for source, target in ((layer_keys, keys), (layer_values, values)):
                 stacked = np.zeros((len(source), *source[0].shape[:1], slots, *source[0].shape[2:]),
-                                   np.float32)
+                                   source[0].dtype)
                 for layer, array in enumerate(source):
                     stacked[layer, :, :array.shape[1]] = array
                 target.append(stacked)
