@@ -159,3 +159,9 @@ def test_fused_greedy_tokens_equal_the_float32_path(ours, fused, chat_ids, model
     expected = generation.generate(model, tokenizer, chat_ids, 32, stop, out=None)
     result = generation.generate(fused, tokenizer, chat_ids, 32, stop, out=None)
     assert result.new_ids == expected.new_ids
+
+
+def test_quantized_weights_on_the_gpu_are_refused_in_one_line(model_dir):
+    with pytest.raises(PymlError, match="--weights as-stored runs the fused decode step, which is "
+                                        "CPU-only: add --weights f32 to decode on the GPU"):
+        generation.load_decoder(model_dir, SPEC, device="cuda")

@@ -35,15 +35,14 @@ from pyml.runtime.quantize import quantize
 
 WEIGHT_FORMATS = ("as-stored", "f32", "q8_0", "q4_0", "q4_1")
 QUANTIZE_TO = {"q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0, "q4_1": GGMLType.Q4_1}
-# the fused step's kind of each type kept quantized, and where the kept arrays go in its tuple
+# the fused step's kind (pyml/package/decode_cpu.py) of each type kept quantized
 STEP_KINDS = {GGMLType.Q4_0: Q4_RUNS_OF_16, GGMLType.Q4_1: Q4_RUNS_OF_16,
               GGMLType.Q4_K: Q4_RUNS_OF_32, GGMLType.Q8_0: Q8, GGMLType.Q6_K: Q6}
 
 
-def check_weights(weights: str) -> str:
+def check_weights(weights: str) -> None:
     if weights not in WEIGHT_FORMATS:
         raise PymlError(f"--weights must be one of {', '.join(WEIGHT_FORMATS)}, not {weights!r}")
-    return weights
 
 
 def decode_module(model) -> ModuleType:
@@ -139,8 +138,11 @@ def stored_weights(model, linears, gguf_path: Path) -> tuple[dict[str, tuple], d
         layers = []
         for names in sources:
             parts = []
-            for name in names:
+            for name, (_, first, last) in zip(names, tensors):
                 tensor = gguf.tensors[name]
+                if tensor.shape != (last - first, layer_weights(param)[0].shape[1]):
+                    raise PymlError(f"{gguf_path}: tensor {name!r} of shape {tensor.shape} is not "
+                                    f"the folder's {attr} rows {first}:{last}; import the GGUF again")
                 matrix = quantized_matrix(np.asarray(tensor.data), int(ggml_type), tensor.shape)
                 # the row order the import gave the float32 weight (llama's rotary q and k rows)
                 order = architecture.hf_weight(name, np.arange(tensor.shape[0])[:, None])[:, 0]
