@@ -132,10 +132,10 @@ def fused(model_dir):
 def test_fused_step_keeps_the_gguf_blocks(fused):
     from pyml.package.decode_cpu import Q4_RUNS_OF_16, Q8
 
-    kinds = {prefix: weight[0] for prefix, weight in fused.weights.items()}
+    kinds = {prefix: set(weight[0]) for prefix, weight in fused.weights.items()}
     # the shipped file: Q4_1 projections, the tied head in Q8_0 (the embedding's own type)
-    assert kinds == {"self_attn_qkv": Q4_RUNS_OF_16, "self_attn_o": Q4_RUNS_OF_16,
-                     "mlp_gate_up": Q4_RUNS_OF_16, "mlp_down": Q4_RUNS_OF_16, "lm_head": Q8}
+    assert kinds == {"self_attn_qkv": {Q4_RUNS_OF_16}, "self_attn_o": {Q4_RUNS_OF_16},
+                     "mlp_gate_up": {Q4_RUNS_OF_16}, "mlp_down": {Q4_RUNS_OF_16}, "lm_head": {Q8}}
 
 
 def test_fused_decode_steps_match_the_float32_forward_on_the_same_weights(ours, fused, chat_ids):

@@ -1,8 +1,8 @@
 """The generated fused decode step (gen/<name>/decode_cpu.py) and its linear maps.
 
 - `linear_row`, the step's linear map, equals the exact model's matVec (pyml/exact.py) bit for bit
-  in every format it runs, on small integers where float32 arithmetic is exact
-  (tests/quantized_cases.py says why).
+  in every format it runs, and on layers of two formats in one stack, on small integers where
+  float32 arithmetic is exact (tests/quantized_cases.py says why).
 - The whole step on llama_tiny with weights quantized to Q8_0, Q4_0 or Q4_1 gives, position after
   position, the logits of a float64 numpy forward over the whole sequence on the same (dequantized)
   weights, within float32 rounding.
@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as GGML
 from quantized_cases import TYPES, exact_weights
 
 from gen.llama_tiny import model as tiny
@@ -39,17 +40,38 @@ def test_linear_row_equals_the_exact_mat_vec(ggml):
     rows, columns = 5, 2 * (BLOCKS[ggml][0] if ggml else 32)
     if ggml is None:
         weights = rng.integers(-8, 9, (rows, columns))
-        weight = weight_tuple(DENSE, [{"dense": weights.astype(np.float32)}], rows)
+        weight = weight_tuple([DENSE], [{"dense": weights.astype(np.float32)}], rows)
     else:
         raw, weights = exact_weights(ggml, rows, columns, rng)
         ggml_type = GGMLType(int(ggml))
         arrays = quantized_matrix(raw, ggml, (rows, columns)).arrays
-        weight = weight_tuple(STEP_KINDS[ggml_type], [kept_arrays(ggml_type, arrays)], rows)
+        weight = weight_tuple([STEP_KINDS[ggml_type]], [kept_arrays(ggml_type, arrays)], rows)
     x = rng.integers(-8, 9, (1, columns))
     y = np.full((1, rows), np.nan, np.float32)
     linear_row(weight, 0, x.astype(np.float32), y)
     expected = exact.mat_vec(weights.astype(np.int64).tolist(), x[0].tolist())
     assert np.array_equal(y[0], np.array(expected, dtype=np.float64))
+
+
+def test_layers_of_two_kinds_share_one_stack():
+    """Q4_K and Q6_K layers of one op (a Q4_K_M file's ffn_down), each array padded to its widest
+    layer: every layer still equals its exact matVec."""
+    rng = np.random.default_rng(4)
+    rows, columns = 3, 512
+    layers, matrices, kinds = [], [], []
+    for ggml in (GGML.Q4_K, GGML.Q6_K, GGML.Q4_K):
+        raw, weights = exact_weights(ggml, rows, columns, rng)
+        ggml_type = GGMLType(int(ggml))
+        layers.append(kept_arrays(ggml_type, quantized_matrix(raw, ggml, (rows, columns)).arrays))
+        matrices.append(weights)
+        kinds.append(STEP_KINDS[ggml_type])
+    weight = weight_tuple(kinds, layers, rows)
+    x = rng.integers(-8, 9, (1, columns))
+    for layer, weights in enumerate(matrices):
+        y = np.full((1, rows), np.nan, np.float32)
+        linear_row(weight, layer, x.astype(np.float32), y)
+        expected = exact.mat_vec(weights.astype(np.int64).tolist(), x[0].tolist())
+        assert np.array_equal(y[0], np.array(expected, dtype=np.float64))
 
 
 def reference_logits(params, ids: list[int]) -> np.ndarray:

@@ -3,8 +3,12 @@ kernels: the linear map of one row on weights in any kept format, and the KV cac
 position.
 
 A linear op's weights arrive as one tuple, the same types for every format, so that one compiled
-step serves any mix of formats: (kind, packed, high, scale, offset, dense), each array stacked by
-layer (layers, rows, ...), C-contiguous; a model-level weight (the tied LM head) has one layer.
+step serves any mix of formats: (kinds, packed, high, scale, offset, dense), `kinds` the kind of
+each layer (int64) and each array stacked by layer (layers, rows, ...), C-contiguous; a
+model-level weight (the tied LM head) has one layer. Layers of different kinds share a stack when
+their packed values have one width (Q4_K and Q6_K: in/2): each array is as wide as its widest
+layer, and a kernel reads a row of scales or high bits from its start, so the padding past a
+layer's own width is never read.
 
     kind             packed (uint8)             high (uint8)   scale, offset (float32)   dense
     Q4_RUNS_OF_16    Q4_0 / Q4_1 nibbles, in/2  -              per 32 values             -
@@ -42,7 +46,8 @@ def linear_row(weight, layer, x, y):
     """y[0] = W x[0] (+ nothing: a bias is added by the caller), W layer `layer` of `weight`; x is
     (1, in), y (1, out) float32. One output row per iteration of the parallel loop; no BLAS, so no
     BLAS thread wakes up for a matrix-vector product."""
-    kind, packed, high, scale, offset, dense = weight
+    kinds, packed, high, scale, offset, dense = weight
+    kind = kinds[layer]
     packed, high, scale, offset, dense = packed[layer], high[layer], scale[layer], offset[layer], dense[layer]
     rows = y.shape[1]
     if kind == Q4_RUNS_OF_16:

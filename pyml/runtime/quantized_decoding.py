@@ -3,9 +3,10 @@
 `pyml generate --weights` picks the weights the linear maps run on:
 
     as-stored  as the GGUF the folder was imported from stores them (`pyml import-gguf` keeps a copy,
-               source.gguf): Q8_0, Q4_0, Q4_1, Q4_K and Q6_K stay quantized; a linear op whose
-               tensors are of another type, or of different types across its parts or layers (a
-               Q4_K_M file mixes Q4_K and Q6_K), runs on float32 rows. A folder without
+               source.gguf): Q8_0, Q4_0, Q4_1, Q4_K and Q6_K stay quantized, also mixed across
+               layers where their packed values have one width (a Q4_K_M file's Q4_K and Q6_K
+               ffn_down); a linear op with a tensor of another type (Q5_0), or whose parts differ
+               in type within a layer, runs on float32 rows. A folder without
                source.gguf (a training checkpoint) stores float32: as-stored is then f32.
     q8_0, q4_0, q4_1  every linear weight quantized from the folder's float32 weights by llama.cpp's
                reference quantizer (pyml.runtime.quantize).
@@ -38,6 +39,9 @@ QUANTIZE_TO = {"q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0, "q4_1": GGMLType.Q4
 # the fused step's kind (pyml/package/decode_cpu.py) of each type kept quantized
 STEP_KINDS = {GGMLType.Q4_0: Q4_RUNS_OF_16, GGMLType.Q4_1: Q4_RUNS_OF_16,
               GGMLType.Q4_K: Q4_RUNS_OF_32, GGMLType.Q8_0: Q8, GGMLType.Q6_K: Q6}
+# bytes of packed values per weight: layers of one op may differ in type where this agrees
+PACKED_PER_VALUE = {GGMLType.Q4_0: 0.5, GGMLType.Q4_1: 0.5, GGMLType.Q4_K: 0.5, GGMLType.Q6_K: 0.5,
+                    GGMLType.Q8_0: 1}
 
 
 def check_weights(weights: str) -> None:
@@ -57,24 +61,32 @@ def decode_module(model) -> ModuleType:
                         f"package generated before it existed needs `pyml gen`): use --weights f32") from None
 
 
-def weight_tuple(kind: int, layers: list[dict[str, np.ndarray]], rows: int) -> tuple:
-    """The step's (kind, packed, high, scale, offset, dense), each (layers, rows, width) with the
-    arrays a layer does not have as width 0. Dense rows keep the model's dtype."""
+def weight_tuple(kinds: list[int], layers: list[dict[str, np.ndarray]], rows: int) -> tuple:
+    """The step's (kinds, packed, high, scale, offset, dense): the kind of each layer, and each
+    array stacked (layers, rows, width), as wide as its widest layer (pyml/package/decode_cpu.py
+    says why the padding is never read), width 0 where no layer has it. Dense rows keep the
+    model's dtype."""
     arrays = []
     for name in ("packed", "high", "scale", "offset", "dense"):
-        if name in layers[0]:
-            stacked = np.ascontiguousarray(np.stack([layer[name] for layer in layers]))
-            arrays.append(stacked.view(np.uint8) if name in ("packed", "high") else stacked)
-        else:
-            dtype = np.uint8 if name in ("packed", "high") else np.float32
-            arrays.append(np.zeros((len(layers), rows, 0), dtype))
-    return (kind, *arrays)
+        present = [layer[name] for layer in layers if name in layer]
+        raw = name in ("packed", "high")
+        dtype = np.uint8 if raw else present[0].dtype if present else np.float32
+        width = max((array.shape[1] * array.dtype.itemsize // np.dtype(dtype).itemsize
+                     for array in present), default=0)
+        stacked = np.zeros((len(layers), rows, width), dtype)
+        for index, layer in enumerate(layers):
+            if name in layer:
+                array = layer[name].view(np.uint8) if raw else layer[name]
+                stacked[index, :, :array.shape[1]] = array
+        arrays.append(stacked)
+    return (np.array(kinds, np.int64), *arrays)
 
 
 def float_rows(param) -> tuple:
     """A weight parameter as the step's float rows: the values the folder holds, read without BLAS."""
     matrices = layer_weights(param)
-    return weight_tuple(DENSE, [{"dense": matrix} for matrix in matrices], matrices[0].shape[0])
+    return weight_tuple([DENSE] * len(matrices), [{"dense": matrix} for matrix in matrices],
+                        matrices[0].shape[0])
 
 
 def float_row_weights(model, linears) -> tuple[dict[str, tuple], dict[str, str]]:
@@ -111,7 +123,7 @@ def requantized_weights(model, linears, target: GGMLType) -> tuple[dict[str, tup
             raw = quantize(weight, target).reshape(-1)
             weight[:] = dequantize(raw, target, weight.shape)
             layers.append(kept_arrays(target, quantized_matrix(raw, int(target), (rows, columns)).arrays))
-        weights[prefix] = weight_tuple(STEP_KINDS[target], layers, rows)
+        weights[prefix] = weight_tuple([STEP_KINDS[target]] * len(layers), layers, rows)
     return weights, {prefix: target.name for prefix in weights}
 
 
@@ -130,13 +142,15 @@ def stored_weights(model, linears, gguf_path: Path) -> tuple[dict[str, tuple], d
         per_layer = isinstance(param, list)
         sources = [[gguf_names.get(name.format(l=l) if per_layer else name) for name, _, _ in tensors]
                    for l in range(len(layer_weights(param)))]
-        types = {gguf.tensors[name].ggml_type if name else None for names in sources for name in names}
-        if len(types) != 1 or next(iter(types)) not in STEP_KINDS:
+        # one kept type per layer (all its parts), and one packed width for all layers
+        types = [{gguf.tensors[name].ggml_type if name else None for name in names} for names in sources]
+        if (any(len(kinds) != 1 or next(iter(kinds)) not in STEP_KINDS for kinds in types)
+                or len({PACKED_PER_VALUE[next(iter(kinds))] for kinds in types}) != 1):
             weights[prefix], formats[prefix] = float_rows(param), "F32"
             continue
-        ggml_type = next(iter(types))
+        layer_types = [next(iter(kinds)) for kinds in types]
         layers = []
-        for names in sources:
+        for names, ggml_type in zip(sources, layer_types):
             parts = []
             for name, (_, first, last) in zip(names, tensors):
                 tensor = gguf.tensors[name]
@@ -148,8 +162,9 @@ def stored_weights(model, linears, gguf_path: Path) -> tuple[dict[str, tuple], d
                 order = architecture.hf_weight(name, np.arange(tensor.shape[0])[:, None])[:, 0]
                 parts.append(matrix.rows(order).arrays)
             layers.append(kept_arrays(ggml_type, tuple(np.concatenate(arrays) for arrays in zip(*parts))))
-        weights[prefix] = weight_tuple(STEP_KINDS[ggml_type], layers, len(layers[0]["packed"]))
-        formats[prefix] = ggml_type.name
+        weights[prefix] = weight_tuple([STEP_KINDS[t] for t in layer_types], layers,
+                                       len(layers[0]["packed"]))
+        formats[prefix] = "/".join(sorted({t.name for t in layer_types}))
     return weights, formats
 
 
