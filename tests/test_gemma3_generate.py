@@ -98,9 +98,9 @@ def fused(gemma3_dir, reference):
 def test_fused_step_greedy_tokens_match_transformers_past_the_window(
     fused, reference, tokenizer, prompt_ids, gemma3_dir
 ):
-    # the shipped Q4_K_M file: Q4_K attention outputs, ffn_down (Q4_K in some layers, Q6_K in
-    # others) and the Q8_0 head stay quantized; the Q5_0 projections run on float32 rows
-    assert fused.formats == {"self_attn_qkv": "F32", "self_attn_o": "Q4_K", "mlp_gate_up": "F32",
+    # the shipped Q4_K_M file: all stays quantized (ffn_down Q4_K in some layers, Q6_K in others)
+    # but q, k, v, whose v is Q8_0 in some layers beside Q5_0 q and k: float32 rows
+    assert fused.formats == {"self_attn_qkv": "F32", "self_attn_o": "Q4_K", "mlp_gate_up": "Q5_0",
                              "mlp_down": "Q4_K/Q6_K", "lm_head": "Q8_0"}
     result = generation.generate(fused, tokenizer, prompt_ids["long"], NEW_TOKENS,
                                  generation.eos_ids(gemma3_dir), out=None)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as GGML
-from quantized_cases import TYPES, exact_weights
+from quantized_cases import TYPES, exact_weights, gguf_weights
 
 from gen.llama_tiny import model as tiny
 from pyml import exact
@@ -34,7 +34,10 @@ from pyml.spec import load_spec
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("ggml", [*TYPES, None], ids=[t.name for t in TYPES] + ["dense"])
+STEP_TYPES = (*TYPES, GGML.Q5_0)  # Q5_0: the fused step's only (Gemma 3's q, k, v, gate, up)
+
+
+@pytest.mark.parametrize("ggml", [*STEP_TYPES, None], ids=[t.name for t in STEP_TYPES] + ["dense"])
 def test_linear_row_equals_the_exact_mat_vec(ggml):
     rng = np.random.default_rng(3)
     rows, columns = 5, 2 * (BLOCKS[ggml][0] if ggml else 32)
@@ -43,6 +46,7 @@ def test_linear_row_equals_the_exact_mat_vec(ggml):
         weight = weight_tuple([DENSE], [{"dense": weights.astype(np.float32)}], rows)
     else:
         raw, weights = exact_weights(ggml, rows, columns, rng)
+        assert np.array_equal(gguf_weights(raw, ggml, rows, columns), weights)  # the encoder is right
         ggml_type = GGMLType(int(ggml))
         arrays = quantized_matrix(raw, ggml, (rows, columns)).arrays
         weight = weight_tuple([STEP_KINDS[ggml_type]], [kept_arrays(ggml_type, arrays)], rows)

@@ -13,6 +13,7 @@ layer's own width is never read.
     kind             packed (uint8)             high (uint8)   scale, offset (float32)   dense
     Q4_RUNS_OF_16    Q4_0 / Q4_1 nibbles, in/2  -              per 32 values             -
     Q4_RUNS_OF_32    Q4_K nibbles, in/2         -              per 32 values             -
+    Q5               Q5_0 low nibbles, in/2     fifth bits     per 32 values             -
     Q8               Q8_0 int8 bytes, in        -              scale per 32              -
     Q6               Q6_K low nibbles, in/2     2-bit highs    scale per 16              -
     DENSE            -                          -              -                         float32, in
@@ -24,7 +25,9 @@ is the same function here as in the quantized linear kernels (Lean law linear_in
 forward, matVec W v, W the block dequantization of the stored values).
 
 Numba's cache does not notice when a function a cached kernel calls changes in another file, so the
-generated decode modules carry this module's hash in their first line (as for vector_math).
+generated decode modules carry this module's and quantized_dot's hash in their first line (as for
+vector_math). For the same reason `linear_row`, which calls quantized_dot's intrinsics, is not
+cached itself: it is compiled into each generated step, whose cache that hash keeps fresh.
 """
 
 import numpy as np
@@ -33,15 +36,16 @@ from numba import njit, prange
 from pyml.package.quantized_dot import (
     q4_row_dot_runs_of_16,
     q4_row_dot_runs_of_32,
+    q5_row_dot,
     q6_row_dot,
     q8_row_dot,
 )
 
-Q4_RUNS_OF_16, Q4_RUNS_OF_32, Q8, Q6, DENSE = 0, 1, 2, 3, 4
+Q4_RUNS_OF_16, Q4_RUNS_OF_32, Q5, Q8, Q6, DENSE = 0, 1, 2, 3, 4, 5
 FAST = {"contract", "reassoc"}
 
 
-@njit(parallel=True, fastmath=FAST, cache=True)
+@njit(parallel=True, fastmath=FAST)
 def linear_row(weight, layer, x, y):
     """y[0] = W x[0] (+ nothing: a bias is added by the caller), W layer `layer` of `weight`; x is
     (1, in), y (1, out) float32. One output row per iteration of the parallel loop; no BLAS, so no
@@ -56,6 +60,9 @@ def linear_row(weight, layer, x, y):
     elif kind == Q4_RUNS_OF_32:
         for row in prange(rows):
             y[0, row] = q4_row_dot_runs_of_32(packed, scale, offset, x, row, 0)
+    elif kind == Q5:
+        for row in prange(rows):
+            y[0, row] = q5_row_dot(packed, high, scale, offset, x, row, 0)
     elif kind == Q8:
         for row in prange(rows):
             y[0, row] = q8_row_dot(packed, scale, x, row, 0)

@@ -3,9 +3,9 @@
 `pyml generate --weights` picks the weights the linear maps run on:
 
     as-stored  as the GGUF the folder was imported from stores them (`pyml import-gguf` keeps a copy,
-               source.gguf): Q8_0, Q4_0, Q4_1, Q4_K and Q6_K stay quantized, also mixed across
+               source.gguf): Q8_0, Q4_0, Q4_1, Q5_0, Q4_K and Q6_K stay quantized, also mixed across
                layers where their packed values have one width (a Q4_K_M file's Q4_K and Q6_K
-               ffn_down); a linear op with a tensor of another type (Q5_0), or whose parts differ
+               ffn_down); a linear op with a tensor of another type, or whose parts differ
                in type within a layer, runs on float32 rows. A folder without
                source.gguf (a training checkpoint) stores float32: as-stored is then f32.
     q8_0, q4_0, q4_1  every linear weight quantized from the folder's float32 weights by llama.cpp's
@@ -29,7 +29,7 @@ from types import ModuleType
 import numpy as np
 
 from pyml.errors import PymlError
-from pyml.package.decode_cpu import DENSE, Q4_RUNS_OF_16, Q4_RUNS_OF_32, Q6, Q8
+from pyml.package.decode_cpu import DENSE, Q4_RUNS_OF_16, Q4_RUNS_OF_32, Q5, Q6, Q8
 from pyml.runtime.gguf_quantized import quantized_matrix
 from pyml.runtime.quant import GGMLType, dequantize
 from pyml.runtime.quantize import quantize
@@ -38,10 +38,11 @@ WEIGHT_FORMATS = ("as-stored", "f32", "q8_0", "q4_0", "q4_1")
 QUANTIZE_TO = {"q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0, "q4_1": GGMLType.Q4_1}
 # the fused step's kind (pyml/package/decode_cpu.py) of each type kept quantized
 STEP_KINDS = {GGMLType.Q4_0: Q4_RUNS_OF_16, GGMLType.Q4_1: Q4_RUNS_OF_16,
-              GGMLType.Q4_K: Q4_RUNS_OF_32, GGMLType.Q8_0: Q8, GGMLType.Q6_K: Q6}
+              GGMLType.Q4_K: Q4_RUNS_OF_32, GGMLType.Q5_0: Q5, GGMLType.Q8_0: Q8,
+              GGMLType.Q6_K: Q6}
 # bytes of packed values per weight: layers of one op may differ in type where this agrees
-PACKED_PER_VALUE = {GGMLType.Q4_0: 0.5, GGMLType.Q4_1: 0.5, GGMLType.Q4_K: 0.5, GGMLType.Q6_K: 0.5,
-                    GGMLType.Q8_0: 1}
+PACKED_PER_VALUE = {GGMLType.Q4_0: 0.5, GGMLType.Q4_1: 0.5, GGMLType.Q4_K: 0.5, GGMLType.Q5_0: 0.5,
+                    GGMLType.Q6_K: 0.5, GGMLType.Q8_0: 1}
 
 
 def check_weights(weights: str) -> None:
@@ -101,6 +102,8 @@ def kept_arrays(ggml_type: GGMLType, arrays: tuple[np.ndarray, ...]) -> dict[str
         return {"packed": arrays[0], "scale": arrays[1]}
     if ggml_type == GGMLType.Q6_K:
         return dict(zip(("packed", "high", "scale"), arrays))
+    if ggml_type == GGMLType.Q5_0:
+        return dict(zip(("packed", "high", "scale", "offset"), arrays))
     return dict(zip(("packed", "scale", "offset"), arrays))
 
 
