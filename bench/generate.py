@@ -10,10 +10,12 @@ prompt length over the time to the first logits; decode tokens/s counts the toke
 Each system runs in a process of its own, started from the environment this script was started
 with (pyml puts its thread-pool policy in force itself; PyTorch's OpenMP threads, spinning after
 each of its calls, would otherwise starve pyml's kernels), once to warm up, then `--repeats` times;
-medians are reported, with each process's peak resident memory. llama.cpp runs when
+medians are reported, with each process's peak resident memory. pyml runs twice: float32, and
+with `pyml generate`'s default `--weights as-stored`, the fused decode step on the GGUF's own
+blocks (the row names their formats). llama.cpp runs when
 `llama-cpp-python` is importable (`make bench-llamacpp` installs it): on all cores, its KV cache
-cleared before every run so that its prefill is measured. pyml's tokens must equal transformers'
-(the benchmark fails otherwise); llama.cpp's are reported as the number of leading tokens that
+cleared before every run so that its prefill is measured. pyml's tokens, in both rows, must equal
+transformers' (the benchmark fails otherwise); llama.cpp's are reported as the number of leading tokens that
 equal transformers' (its integer dot products round differently).
 
     python bench/generate.py [--model smollm2|gemma3] [--new-tokens 64] [--repeats 3]
@@ -45,7 +47,9 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-SYSTEMS = {"ours": "pyml (float32, Numba CPU)", "transformers": "transformers (PyTorch eager)",
+SYSTEMS = {"ours": "pyml (float32, Numba CPU)",
+           "ours_quantized": "pyml (fused decode step, weights as stored: {formats}; Numba CPU)",
+           "transformers": "transformers (PyTorch eager)",
            "llamacpp": "llama.cpp (llama-cpp-python, Q4_1 as shipped)"}
 
 
@@ -135,8 +139,14 @@ def run_system(system: str, model_name: str, new_tokens: int, repeats: int) -> d
     tokenizer = generation.load_tokenizer(model_dir)
     chat = model_name == "smollm2"  # Gemma 3 270M has no chat template
     ids = generation.prompt_ids(model_dir, tokenizer, PROMPT, chat=chat)
-    if system == "ours":
-        model = generation.load_model(model_dir, ROOT / "specs" / f"{bench_model.spec}.toml")
+    formats = None
+    if system in ("ours", "ours_quantized"):
+        spec = ROOT / "specs" / f"{bench_model.spec}.toml"
+        if system == "ours":
+            model = generation.load_model(model_dir, spec)
+        else:  # pyml generate's default: --weights as-stored
+            model = generation.load_decoder(model_dir, spec)
+            formats = model.describe_formats()
         stop = generation.eos_ids(model_dir)
         run = lambda: ours_run(model, ids, new_tokens, stop)  # noqa: E731
     elif system == "llamacpp":
@@ -166,7 +176,7 @@ def run_system(system: str, model_name: str, new_tokens: int, repeats: int) -> d
             "prefill_tokens_per_s": statistics.median(r[0] for r in runs),
             "decode_tokens_per_s": statistics.median(r[1] for r in runs),
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "thread_pools": thread_pools()}
+            "thread_pools": thread_pools(), "formats": formats}
 
 
 def leading_agreement(tokens: list[int], reference: list[int]) -> int:
@@ -190,7 +200,7 @@ def main() -> None:
         print(json.dumps(run_system(args.system, args.model, args.new_tokens, args.repeats)))
         return
 
-    systems = ["ours", "transformers"] + (["llamacpp"] if importlib.util.find_spec("llama_cpp") else [])
+    systems = ["ours", "ours_quantized", "transformers"] + (["llamacpp"] if importlib.util.find_spec("llama_cpp") else [])
     results = {}
     for system in systems:
         child = subprocess.run([sys.executable, __file__, "--system", system, "--model", args.model,
@@ -201,11 +211,12 @@ def main() -> None:
             raise SystemExit(f"error: the {system} run failed: {last_line}")
         results[system] = json.loads(child.stdout.strip().splitlines()[-1])
     reference = results["transformers"]["tokens"]
-    same = results["ours"]["tokens"] == reference[: len(results["ours"]["tokens"])]
+    same = all(results[name]["tokens"] == reference[: len(results[name]["tokens"])]
+               for name in ("ours", "ours_quantized"))
     report = {
         "model": args.model, "date": date.today().isoformat(),
         "prompt_tokens": results["ours"]["prompt_tokens"], "new_tokens": len(results["ours"]["tokens"]), "outputs_identical": same,
-        "systems": {name: {"name": SYSTEMS[name],
+        "systems": {name: {"name": SYSTEMS[name].format(formats=result["formats"]),
                            "leading_tokens_equal_to_transformers": leading_agreement(result["tokens"], reference),
                            **{key: result[key] for key in ("prefill_tokens_per_s", "decode_tokens_per_s",
                                                            "peak_rss_mib", "thread_pools", "tokens")}}
@@ -214,7 +225,7 @@ def main() -> None:
     title = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "Gemma 3 270M"}[args.model]
     lines = [f"{title} generation, greedy with a KV cache, {report['date']}: "
              f"{report['prompt_tokens']} prompt tokens, {report['new_tokens']} new tokens, "
-             f"pyml's tokens identical to transformers': {same}.",
+             f"pyml's tokens (both rows) identical to transformers': {same}.",
              "", "| system | prefill tokens/s | decode tokens/s | peak RSS MiB | leading tokens equal to transformers' |",
              "| --- | --- | --- | --- | --- |"]
     for result in report["systems"].values():
@@ -232,7 +243,7 @@ def main() -> None:
     print("\n".join(lines))
     if not same:
         # a speed figure is only worth something if both systems produced the same text
-        raise SystemExit("error: pyml's greedy tokens differ from transformers'")
+        raise SystemExit("error: pyml's greedy tokens (float32 or quantized) differ from transformers'")
 
 
 if __name__ == "__main__":

@@ -84,9 +84,10 @@ MODELS = {
 
 
 def ensure_model(model: BenchModel = MODELS["smollm2"]) -> Path:
-    if not (model.dir / "model.safetensors").exists():
-        from pyml.runtime.gguf_import import import_gguf
+    from pyml.runtime.gguf_import import SOURCE_GGUF, import_gguf
 
+    # a folder imported before import-gguf kept the GGUF beside the weights is imported again
+    if not (model.dir / SOURCE_GGUF).exists():
         shipped = importlib.import_module(model.shipped)
         import_gguf(shipped.shipped_gguf_path(), model.dir, progress=False, name=shipped.SPEC_NAME)
     return model.dir

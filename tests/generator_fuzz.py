@@ -62,10 +62,12 @@ def relative_error(ours, theirs, floor: float = 1e-30) -> float:
     return float(np.abs(np.asarray(ours) - theirs).max() / scale)
 
 
-def check_against_torch(data: dict, batch: tuple[int, int], seed: int, device: str = "cpu") -> None:
+def check_against_torch(data: dict, batch: tuple[int, int], seed: int, device: str = "cpu",
+                        fused: bool = False) -> None:
     """Loss, logits and every parameter gradient of the generated package equal the torch
     reference's to RTOL (float64), and for a decoder, decoding with the cache equals the full
-    forward pass."""
+    forward pass; with `fused`, so does the fused decode step (compiled anew for each spec, 6 s
+    here: the corpus, whose specs do not change, checks it)."""
     spec, package = generated_package(data)
     tensors = random_tensors(package, seed)
     model = package.Model(dtype=np.float64, device=device)
@@ -93,6 +95,23 @@ def check_against_torch(data: dict, batch: tuple[int, int], seed: int, device: s
         for position in range(1, T):
             last = model.decode(cache, inputs[:, position])
         assert relative_error(last, logits[:, -1]) < RTOL, "decoding with the cache"
+        if fused and spec.lora is None:
+            fused = fused_decoding(model, inputs[:1])
+            assert relative_error(fused, logits[0, -1]) < RTOL, "the fused decode step"
+
+
+def fused_decoding(model, ids: np.ndarray) -> np.ndarray:
+    """The logits of the last position of `ids` (1, T) from the generated fused decode step
+    (decode_cpu.py) after a prefill of the first position, its linear maps on the model's own
+    float rows: the step's structure (biases, heads, windows, norms) in float64."""
+    from pyml.runtime.quantized_decoding import QuantizedDecoder, decode_module, float_row_weights
+
+    step = decode_module(model)
+    decoder = QuantizedDecoder(model, step, *float_row_weights(model, step.LINEARS))
+    cache, last = decoder.start_decoding(ids[:, :1], ids.shape[1])
+    for position in range(1, ids.shape[1]):
+        last = decoder.decode(cache, ids[:, position])
+    return last[0]
 
 
 # -- strategies -------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from gguf.quants import dequantize, quantize
 from pyml import exact
 from pyml.runtime.gguf_quantized import BLOCKS, quantized_matrix
 
-TYPES = (GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q4_K, GGML.Q6_K)
+TYPES = (GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q4_K, GGML.Q6_K)  # those of the quantized linear kernels
 # float32 unit roundoff: a sum of K products is within K * UNIT * sum |w x| of the exact one
 UNIT = 2.0**-24
 
@@ -54,6 +54,11 @@ def encode(ggml: GGML, q: np.ndarray, d: np.ndarray, second: np.ndarray | None =
         if ggml == GGML.Q4_1:
             out[..., 2:4] = half_bytes(second[..., None])
         out[..., start:] = nibbles(q[..., :16], q[..., 16:])
+    elif ggml == GGML.Q5_0:  # d, then qh: bit j of a little-endian uint32 is value j's fifth bit
+        out[..., :2] = half_bytes(d[..., None])
+        fifth = ((q >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)
+        out[..., 2:6] = np.ascontiguousarray(fifth.sum(-1, dtype=np.uint32)[..., None]).view(np.uint8)
+        out[..., 6:] = nibbles(q[..., :16] & 15, q[..., 16:] & 15)
     elif ggml == GGML.Q4_K:
         scales, mins = sub_scales
         out[..., :2], out[..., 2:4] = half_bytes(d[..., None]), half_bytes(second[..., None])
@@ -85,6 +90,9 @@ def exact_weights(ggml: GGML, rows: int, columns: int, rng) -> tuple[np.ndarray,
     if ggml == GGML.Q4_0:
         q = rng.integers(0, 16, (rows, columns))
         return encode(ggml, q, d), (q - 8) * np.repeat(d, 32, axis=1)
+    if ggml == GGML.Q5_0:
+        q = rng.integers(0, 32, (rows, columns))
+        return encode(ggml, q, d), (q - 16) * np.repeat(d, 32, axis=1)
     if ggml == GGML.Q4_1:
         m = rng.integers(-3, 4, (rows, n_blocks)).astype(np.float32)
         q = rng.integers(0, 16, (rows, columns))

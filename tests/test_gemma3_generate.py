@@ -88,6 +88,25 @@ def test_greedy_tokens_match_transformers(ours, reference, tokenizer, prompt_ids
     assert result.new_ids == greedy[name]
 
 
+@pytest.fixture(scope="module")
+def fused(gemma3_dir, reference):
+    """The default --weights (as-stored): the fused decode step on the GGUF's own blocks."""
+    return generation.load_decoder(gemma3_dir)
+
+
+@pytest.mark.slow
+def test_fused_step_greedy_tokens_match_transformers_past_the_window(
+    fused, reference, tokenizer, prompt_ids, gemma3_dir
+):
+    # the shipped Q4_K_M file: all stays quantized (ffn_down Q4_K in some layers, Q6_K in others)
+    # but q, k, v, whose v is Q8_0 in some layers beside Q5_0 q and k: float32 rows
+    assert fused.formats == {"self_attn_qkv": "F32", "self_attn_o": "Q4_K", "mlp_gate_up": "Q5_0",
+                             "mlp_down": "Q4_K/Q6_K", "lm_head": "Q8_0"}
+    result = generation.generate(fused, tokenizer, prompt_ids["long"], NEW_TOKENS,
+                                 generation.eos_ids(gemma3_dir), out=None)
+    assert result.new_ids == reference[1]["long"]
+
+
 def pyml(*args):
     return subprocess.run([sys.executable, "-m", "pyml.cli", *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)

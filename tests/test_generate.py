@@ -107,9 +107,54 @@ def test_cli_generate_answers_the_chat_question(model_dir):
 @pytest.mark.parametrize("args, message", [
     (["--model", "/nonexistent/model"], "/nonexistent/model: no such folder"),
     (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--weights", "q5_0"], "--weights must be one of as-stored, f32, q8_0, q4_0, q4_1, not 'q5_0'"),
 ])
 def test_cli_generate_rejects_bad_input_in_one_line(args, message):
     result = pyml("generate", "--prompt", "hi", *args)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0]
+
+
+@pytest.fixture(scope="module")
+def fused(model_dir):
+    """The default --weights (as-stored): the fused decode step on the GGUF's own blocks."""
+    return generation.load_decoder(model_dir, SPEC)
+
+
+def test_fused_step_keeps_the_gguf_blocks(fused):
+    from pyml.package.decode_cpu import Q4_RUNS_OF_16, Q8
+
+    kinds = {prefix: set(weight[0]) for prefix, weight in fused.weights.items()}
+    # the shipped file: Q4_1 projections, the tied head in Q8_0 (the embedding's own type)
+    assert kinds == {"self_attn_qkv": {Q4_RUNS_OF_16}, "self_attn_o": {Q4_RUNS_OF_16},
+                     "mlp_gate_up": {Q4_RUNS_OF_16}, "mlp_down": {Q4_RUNS_OF_16}, "lm_head": {Q8}}
+
+
+def test_fused_decode_steps_match_the_float32_forward_on_the_same_weights(ours, fused, chat_ids):
+    """The folder's float32 weights are the GGUF's dequantized: the same function, summed in
+    another order (float32 partial sums per 16 lanes against BLAS)."""
+    model, _ = ours
+    full = model.forward(np.array([chat_ids]))[0]
+    cache, _ = fused.start_decoding(np.array([chat_ids[:20]]), len(chat_ids))
+    worst = 0.0
+    for position in range(20, len(chat_ids)):
+        logits = fused.decode(cache, np.array([chat_ids[position]]))
+        worst = max(worst, float(np.abs(logits[0] - full[position]).max()))
+        assert logits[0].argmax() == full[position].argmax()
+    print(f"largest logit difference to the float32 forward: {worst:.2e}")
+    assert worst < 1e-3  # logits of magnitude ~20 (5e-5 here on 2026-12-01)
+
+
+def test_fused_greedy_tokens_equal_the_float32_path(ours, fused, chat_ids, model_dir):
+    model, tokenizer = ours
+    stop = generation.eos_ids(model_dir)
+    expected = generation.generate(model, tokenizer, chat_ids, 32, stop, out=None)
+    result = generation.generate(fused, tokenizer, chat_ids, 32, stop, out=None)
+    assert result.new_ids == expected.new_ids
+
+
+def test_quantized_weights_on_the_gpu_are_refused_in_one_line(model_dir):
+    with pytest.raises(PymlError, match="--weights as-stored runs the fused decode step, which is "
+                                        "CPU-only: add --weights f32 to decode on the GPU"):
+        generation.load_decoder(model_dir, SPEC, device="cuda")

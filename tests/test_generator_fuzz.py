@@ -1,6 +1,7 @@
 """Differential fuzzing of the generator: random valid specs of both forms, generated, imported
 and compared in float64 with an independent torch model of the same spec (loss, logits, every
-parameter gradient to rtol 1e-9, and decoding with the cache against the full forward pass).
+parameter gradient to rtol 1e-9, and decoding with the cache against the full forward pass; the
+corpus' specs also through the fused decode step, decode_cpu.py).
 
 Bounded by example count and deadline. A failing draw shrinks (hypothesis) to a minimal spec,
 printed as TOML: add it to tests/fuzz_corpus/, where every spec runs on every test run.
@@ -41,4 +42,4 @@ def test_random_sequential_models_match_torch(spec, B, seed):
 @pytest.mark.parametrize("path", corpus_specs(), ids=lambda p: p.stem)
 def test_regression_corpus_matches_torch(path):
     data = tomllib.loads(path.read_text())
-    check_against_torch(data, (2, data.get("max_seq_len", 8)), seed=0)
+    check_against_torch(data, (2, data.get("max_seq_len", 8)), seed=0, fused=True)

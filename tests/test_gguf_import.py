@@ -120,10 +120,12 @@ def test_written_files(imported_dir):
         "config.json",
         "generation_config.json",
         "model.safetensors",
+        "source.gguf",  # the file itself, which `pyml generate --weights as-stored` decodes on
         "spec.toml",
         "tokenizer.json",
         "tokenizer_config.json",
     ]
+    assert (imported_dir / "source.gguf").read_bytes() == shipped_gguf_path().read_bytes()
     config = json.loads((imported_dir / "config.json").read_text())
     assert config == {
         "architectures": ["LlamaForCausalLM"],

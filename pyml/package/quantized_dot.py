@@ -18,6 +18,9 @@ Layouts (what pyml/runtime/gguf_quantized.py keeps: the GGUF's packed bytes, the
   q4: 4-bit values in runs of `run` bytes (Q4_0 and Q4_1: 16, Q4_K: 32). A run holds 2 * run
       values: its low nibbles the first run of them, its high nibbles the next. A scale and an
       offset per 32 values.
+  q5: Q5_0: the low four bits as q4's runs of 16, and per 32 values 4 bytes of fifth bits (bit j
+      of the little-endian 32-bit word: value j); value = (q - 16) * scale, as q * scale + offset
+      with offset = -16 * scale (both products exact, so their sum is (q - 16) * scale exactly).
   q8: int8 values (Q8_0), a scale per 32.
   q6: per 128 values (Q6_K), 64 bytes of low nibbles (values 0..63 in the low nibbles, 64..127 in
       the high ones) and 32 bytes of 2-bit high parts (bits 2k, 2k+1 of byte i: value 32k + i);
@@ -155,6 +158,43 @@ def qdot_q4_intrinsic(run_bytes):
 
 q4_row_dot_runs_of_16 = qdot_q4_intrinsic(16)  # Q4_0, Q4_1
 q4_row_dot_runs_of_32 = qdot_q4_intrinsic(32)  # Q4_K
+
+
+@intrinsic
+def q5_row_dot(typingctx, values, high, scale, offset, x, row, sample):
+    """sum_k W[row, k] * x[sample, k], W in 5 bits (Q5_0): values (rows, in / 2) and high
+    (rows, in / 8) uint8, scale and offset (rows, in / 32) float32, x (samples, in) float32."""
+    qdot_check(values, high, scale, offset, x)
+
+    def codegen(context, builder, signature, args):
+        q_row, row_bytes = qdot_row(context, builder, signature.args[0], args[0], args[5])
+        high_row, _ = qdot_row(context, builder, signature.args[1], args[1], args[5])
+        scale_row, _ = qdot_row(context, builder, signature.args[2], args[2], args[5])
+        offset_row, _ = qdot_row(context, builder, signature.args[3], args[3], args[5])
+        x_row, _ = qdot_row(context, builder, signature.args[4], args[4], args[6])
+        sums = QdotPartialSums(builder)
+        with cgutils.for_range(builder, builder.udiv(row_bytes, qdot_index(16))) as loop:
+            block = loop.index  # 32 values: 16 bytes of nibbles, 4 bytes of fifth bits
+            packed = qdot_load(builder, q_row, builder.mul(block, qdot_index(16)), QDOT_I8, 16)
+            fifth = qdot_load(builder, high_row, builder.mul(block, qdot_index(4)), QDOT_I8, 4)
+            nibbles = (builder.and_(packed, qdot_bytes(15, 16)), builder.lshr(packed, qdot_bytes(4, 16)))
+            for half in range(2):  # values 16 * half + i, i < 16: bit i % 8 of byte 2 * half + i // 8
+                spread = builder.shuffle_vector(
+                    fifth, ir.Constant(fifth.type, ir.Undefined),
+                    ir.Constant(qdot_vector_type(QDOT_I32, 16), [2 * half + i // 8 for i in range(16)]))
+                bits = builder.and_(
+                    builder.lshr(spread, ir.Constant(qdot_vector_type(QDOT_I8, 16), [i % 8 for i in range(16)])),
+                    qdot_bytes(1, 16))
+                q = builder.or_(nibbles[half], builder.shl(bits, qdot_bytes(4, 16)))
+                q = builder.uitofp(q, qdot_vector_type(QDOT_F32, 16))
+                weights = builder.fadd(
+                    builder.fmul(q, qdot_splat(builder, qdot_scalar(builder, scale_row, block), 16)),
+                    qdot_splat(builder, qdot_scalar(builder, offset_row, block), 16))
+                start = builder.add(builder.mul(block, qdot_index(32)), qdot_index(16 * half))
+                sums.add_products(weights, qdot_load(builder, x_row, start, QDOT_F32, 16))
+        return sums.total()
+
+    return types.float32(values, high, scale, offset, x, row, sample), codegen
 
 
 @intrinsic

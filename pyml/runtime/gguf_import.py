@@ -1,7 +1,8 @@
 """Importing a llama or gemma3 GGUF as a Hugging Face model folder with its pyml spec.
 
 `import_gguf` writes model.safetensors (float32, Hugging Face tensor names and layout),
-config.json (the Hugging Face config of the architecture), generation_config.json,
+source.gguf (a copy of the GGUF: `pyml generate` decodes on its quantized tensors as they are
+stored; a training checkpoint, whose weights are its own, does not carry it), config.json (the Hugging Face config of the architecture), generation_config.json,
 tokenizer.json, tokenizer_config.json, chat_template.jinja (when the file has one) and spec.toml
 (the pyml spec of the model). Everything is validated before anything is decoded or written, so a
 bad file fails with one PymlError line and leaves no half-written folder behind.
@@ -9,6 +10,7 @@ bad file fails with one PymlError line and leaves no half-written folder behind.
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +30,7 @@ from pyml.runtime.tokenizer import (
 )
 
 SPEC_FILE = "spec.toml"
+SOURCE_GGUF = "source.gguf"  # the copy of the GGUF, whose quantized tensors `pyml generate` runs
 
 
 def import_gguf(gguf_path: Path, out_dir: Path, progress: bool = True, name: str | None = None) -> Path:
@@ -62,6 +65,8 @@ def import_gguf(gguf_path: Path, out_dir: Path, progress: bool = True, name: str
             bar.set_description("writing model.safetensors")
             write_safetensors(out_dir / "model.safetensors", tensors, metadata={"format": "pt"})
             bar.update()
+            if Path(gguf_path).resolve() != (out_dir / SOURCE_GGUF).resolve():
+                shutil.copyfile(gguf_path, out_dir / SOURCE_GGUF)
             for name, content in files.items():
                 bar.set_description(f"writing {name}")
                 atomic_write(out_dir / name, lambda handle, content=content: handle.write(content))

@@ -11,6 +11,8 @@ per 32 weights instead of 20), and a row's integers load as whole vectors.
     Q8_0   values int8 (in), scale (in/32)                                 q * scale
     Q4_0   values uint8 (in/2), scale (in/32), offset = -8 * scale         q * scale + offset
     Q4_1   values uint8 (in/2), scale = d (in/32), offset = m (in/32)      q * scale + offset
+    Q5_0   values uint8 (in/2), high uint8 (in/8): the fifth bits (qh),    (q | h << 4) * scale
+           scale (in/32), offset = -16 * scale                             + offset
     Q4_K   values uint8 (in/2), scale = d * sc (in/32), offset = -dmin * min (in/32)
     Q6_K   low uint8 (in/2), high uint8 (in/4), scale = d * sc (in/16)     (q - 32) * scale
 
@@ -28,9 +30,10 @@ from gguf import GGMLQuantizationType as GGML
 from pyml.errors import PymlError
 
 # values per block and bytes per block of each type we keep quantized
-BLOCKS = {GGML.Q8_0: (32, 34), GGML.Q4_0: (32, 18), GGML.Q4_1: (32, 20),
+BLOCKS = {GGML.Q8_0: (32, 34), GGML.Q4_0: (32, 18), GGML.Q4_1: (32, 20), GGML.Q5_0: (32, 22),
           GGML.Q4_K: (256, 144), GGML.Q6_K: (256, 210)}
-# the kernel template's name of each type (`quant` in templates/cpu/quantized_linear.py.j2)
+# the kernel template's name of each type (`quant` in templates/cpu/quantized_linear.py.j2); Q5_0
+# is kept for the fused decode step only (pyml/package/decode_cpu.py)
 KERNEL_NAMES = {GGML.Q8_0: "q8_0", GGML.Q4_0: "q4_0", GGML.Q4_1: "q4_1", GGML.Q4_K: "q4_k",
                 GGML.Q6_K: "q6_k"}
 
@@ -104,6 +107,11 @@ def _q4_1(blocks):
     return _bytes(blocks, 4, 20), _half(blocks, 0), _half(blocks, 2)
 
 
+def _q5_0(blocks):
+    scale = _half(blocks, 0)
+    return _bytes(blocks, 6, 22), _bytes(blocks, 2, 6), scale, scale * np.float32(-16)
+
+
 def _q4_k(blocks):
     # 8 six-bit scales and 8 six-bit mins in bytes 4..15: bytes 4..7 hold scales 0..3 (and in their
     # top two bits the top bits of scales 4..7), bytes 8..11 the same for the mins, bytes 12..15 the
@@ -129,5 +137,5 @@ def _q6_k(blocks):
     return _bytes(blocks, 0, 128), _bytes(blocks, 128, 192), np.ascontiguousarray(scale)
 
 
-_LAYOUTS = {GGML.Q8_0: _q8_0, GGML.Q4_0: _q4_0, GGML.Q4_1: _q4_1, GGML.Q4_K: _q4_k,
-            GGML.Q6_K: _q6_k}
+_LAYOUTS = {GGML.Q8_0: _q8_0, GGML.Q4_0: _q4_0, GGML.Q4_1: _q4_1, GGML.Q5_0: _q5_0,
+            GGML.Q4_K: _q4_k, GGML.Q6_K: _q6_k}

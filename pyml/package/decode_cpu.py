@@ -1,0 +1,98 @@
+"""What every generated fused decode step (gen/<name>/decode_cpu.py) calls besides its package's own
+kernels: the linear map of one row on weights in any kept format, and the KV cache's slot of a
+position.
+
+A linear op's weights arrive as one tuple, the same types for every format, so that one compiled
+step serves any mix of formats: (kinds, packed, high, scale, offset, dense), `kinds` the kind of
+each layer (int64) and each array stacked by layer (layers, rows, ...), C-contiguous; a
+model-level weight (the tied LM head) has one layer. Layers of different kinds share a stack when
+their packed values have one width (Q4_K and Q6_K: in/2): each array is as wide as its widest
+layer, and a kernel reads a row of scales or high bits from its start, so the padding past a
+layer's own width is never read.
+
+    kind             packed (uint8)             high (uint8)   scale, offset (float32)   dense
+    Q4_RUNS_OF_16    Q4_0 / Q4_1 nibbles, in/2  -              per 32 values             -
+    Q4_RUNS_OF_32    Q4_K nibbles, in/2         -              per 32 values             -
+    Q5               Q5_0 low nibbles, in/2     fifth bits     per 32 values             -
+    Q8               Q8_0 int8 bytes, in        -              scale per 32              -
+    Q6               Q6_K low nibbles, in/2     2-bit highs    scale per 16              -
+    DENSE            -                          -              -                         float32, in
+
+(pyml/runtime/gguf_quantized.py describes the layouts; "-" is an array of width 0.) Q8_0's int8
+values travel as their bytes: q8_row_dot loads them as signed 8-bit integers whatever the array's
+dtype says. The row dot products are pyml/package/quantized_dot.py's, so a quantized linear map
+is the same function here as in the quantized linear kernels (Lean law linear_input_adjoint's
+forward, matVec W v, W the block dequantization of the stored values).
+
+Numba's cache does not notice when a function a cached kernel calls changes in another file, so the
+generated decode modules carry this module's and quantized_dot's hash in their first line (as for
+vector_math). For the same reason `linear_row`, which calls quantized_dot's intrinsics, is not
+cached itself: it is compiled into each generated step, whose cache that hash keeps fresh.
+"""
+
+import numpy as np
+from numba import njit, prange
+
+from pyml.package.quantized_dot import (
+    q4_row_dot_runs_of_16,
+    q4_row_dot_runs_of_32,
+    q5_row_dot,
+    q6_row_dot,
+    q8_row_dot,
+)
+
+Q4_RUNS_OF_16, Q4_RUNS_OF_32, Q5, Q8, Q6, DENSE = 0, 1, 2, 3, 4, 5
+FAST = {"contract", "reassoc"}
+
+
+@njit(parallel=True, fastmath=FAST)
+def linear_row(weight, layer, x, y):
+    """y[0] = W x[0] (+ nothing: a bias is added by the caller), W layer `layer` of `weight`; x is
+    (1, in), y (1, out) float32. One output row per iteration of the parallel loop; no BLAS, so no
+    BLAS thread wakes up for a matrix-vector product."""
+    kinds, packed, high, scale, offset, dense = weight
+    kind = kinds[layer]
+    packed, high, scale, offset, dense = packed[layer], high[layer], scale[layer], offset[layer], dense[layer]
+    rows = y.shape[1]
+    if kind == Q4_RUNS_OF_16:
+        for row in prange(rows):
+            y[0, row] = q4_row_dot_runs_of_16(packed, scale, offset, x, row, 0)
+    elif kind == Q4_RUNS_OF_32:
+        for row in prange(rows):
+            y[0, row] = q4_row_dot_runs_of_32(packed, scale, offset, x, row, 0)
+    elif kind == Q5:
+        for row in prange(rows):
+            y[0, row] = q5_row_dot(packed, high, scale, offset, x, row, 0)
+    elif kind == Q8:
+        for row in prange(rows):
+            y[0, row] = q8_row_dot(packed, scale, x, row, 0)
+    elif kind == Q6:
+        for row in prange(rows):
+            y[0, row] = q6_row_dot(packed, high, scale, x, row, 0)
+    else:
+        for row in prange(rows):
+            total = np.float32(0.0)
+            for k in range(x.shape[1]):
+                total += dense[row, k] * x[0, k]
+            y[0, row] = total
+
+
+@njit(cache=True)
+def add_bias(y, bias):
+    for i in range(y.shape[1]):
+        y[0, i] += bias[i]
+
+
+@njit(cache=True)
+def cache_slot(window, position):
+    """(the slot position `position` is written to, how many slots hold positions): a global layer
+    has a slot per position, a sliding one its window, position p in slot p % window; the same
+    rule as pyml.package.base.KVCache.cache_slot, which the prompt's cache was filled by."""
+    if window:
+        return position % window, min(position + 1, window)
+    return position, position + 1
+
+
+def stack_layers(arrays):
+    """A per-layer parameter's views (one per layer) as one C-contiguous (layers, ...) array."""
+    return np.ascontiguousarray(np.stack(arrays))

@@ -1,0 +1,232 @@
+"""Decoding on quantized weights through a package's fused decode step (gen/<name>/decode_cpu.py).
+
+`pyml generate --weights` picks the weights the linear maps run on:
+
+    as-stored  as the GGUF the folder was imported from stores them (`pyml import-gguf` keeps a copy,
+               source.gguf): Q8_0, Q4_0, Q4_1, Q5_0, Q4_K and Q6_K stay quantized, also mixed across
+               layers where their packed values have one width (a Q4_K_M file's Q4_K and Q6_K
+               ffn_down); a linear op with a tensor of another type, or whose parts differ
+               in type within a layer, runs on float32 rows. A folder without
+               source.gguf (a training checkpoint) stores float32: as-stored is then f32.
+    q8_0, q4_0, q4_1  every linear weight quantized from the folder's float32 weights by llama.cpp's
+               reference quantizer (pyml.runtime.quantize).
+    f32        the float32 package's own decoding step, unchanged.
+
+The prompt runs through the float32 package's matrix-matrix forward (prefill), whose keys and
+values seed the fused step's cache. Both run the same weights: as-stored, the folder's float32
+weights are the GGUF's dequantized (that is what import-gguf writes); quantized from float32, the
+float32 model's linear weights are replaced by the dequantization of their quantized blocks.
+Training never sees any of this: it loads the float32 folder.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+
+from pyml.errors import PymlError
+from pyml.package.decode_cpu import DENSE, Q4_RUNS_OF_16, Q4_RUNS_OF_32, Q5, Q6, Q8
+from pyml.runtime.gguf_quantized import quantized_matrix
+from pyml.runtime.quant import GGMLType, dequantize
+from pyml.runtime.quantize import quantize
+
+WEIGHT_FORMATS = ("as-stored", "f32", "q8_0", "q4_0", "q4_1")
+QUANTIZE_TO = {"q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0, "q4_1": GGMLType.Q4_1}
+# the fused step's kind (pyml/package/decode_cpu.py) of each type kept quantized
+STEP_KINDS = {GGMLType.Q4_0: Q4_RUNS_OF_16, GGMLType.Q4_1: Q4_RUNS_OF_16,
+              GGMLType.Q4_K: Q4_RUNS_OF_32, GGMLType.Q5_0: Q5, GGMLType.Q8_0: Q8,
+              GGMLType.Q6_K: Q6}
+# bytes of packed values per weight: layers of one op may differ in type where this agrees
+PACKED_PER_VALUE = {GGMLType.Q4_0: 0.5, GGMLType.Q4_1: 0.5, GGMLType.Q4_K: 0.5, GGMLType.Q5_0: 0.5,
+                    GGMLType.Q6_K: 0.5, GGMLType.Q8_0: 1}
+
+
+def check_weights(weights: str) -> None:
+    if weights not in WEIGHT_FORMATS:
+        raise PymlError(f"--weights must be one of {', '.join(WEIGHT_FORMATS)}, not {weights!r}")
+
+
+def decode_module(model) -> ModuleType:
+    """The fused decode step of `model`'s generated package."""
+    package = type(model).__module__.rsplit(".", 1)[0]
+    try:
+        return importlib.import_module(f"{package}.decode_cpu")
+    except ModuleNotFoundError as error:
+        if error.name != f"{package}.decode_cpu":
+            raise
+        raise PymlError(f"{package} has no fused decode step (a LoRA spec decodes in float32, and a "
+                        f"package generated before it existed needs `pyml gen`): use --weights f32") from None
+
+
+def weight_tuple(kinds: list[int], layers: list[dict[str, np.ndarray]], rows: int) -> tuple:
+    """The step's (kinds, packed, high, scale, offset, dense): the kind of each layer, and each
+    array stacked (layers, rows, width), as wide as its widest layer (pyml/package/decode_cpu.py
+    says why the padding is never read), width 0 where no layer has it. Dense rows keep the
+    model's dtype."""
+    arrays = []
+    for name in ("packed", "high", "scale", "offset", "dense"):
+        present = [layer[name] for layer in layers if name in layer]
+        raw = name in ("packed", "high")
+        dtype = np.uint8 if raw else present[0].dtype if present else np.float32
+        width = max((array.shape[1] * array.dtype.itemsize // np.dtype(dtype).itemsize
+                     for array in present), default=0)
+        stacked = np.zeros((len(layers), rows, width), dtype)
+        for index, layer in enumerate(layers):
+            if name in layer:
+                array = layer[name].view(np.uint8) if raw else layer[name]
+                stacked[index, :, :array.shape[1]] = array
+        arrays.append(stacked)
+    return (np.array(kinds, np.int64), *arrays)
+
+
+def float_rows(param) -> tuple:
+    """A weight parameter as the step's float rows: the values the folder holds, read without BLAS."""
+    matrices = layer_weights(param)
+    return weight_tuple([DENSE] * len(matrices), [{"dense": matrix} for matrix in matrices],
+                        matrices[0].shape[0])
+
+
+def float_row_weights(model, linears) -> tuple[dict[str, tuple], dict[str, str]]:
+    """Every linear weight as float rows in the model's dtype, with each op's format."""
+    weights = {prefix: float_rows(getattr(model.params, attr)) for prefix, attr, _, _ in linears}
+    return weights, {prefix: np.dtype(model.params.flat.dtype).name.upper() for prefix in weights}
+
+
+def kept_arrays(ggml_type: GGMLType, arrays: tuple[np.ndarray, ...]) -> dict[str, np.ndarray]:
+    """gguf_quantized's arrays of a matrix under the step's names."""
+    if ggml_type == GGMLType.Q8_0:
+        return {"packed": arrays[0], "scale": arrays[1]}
+    if ggml_type == GGMLType.Q6_K:
+        return dict(zip(("packed", "high", "scale"), arrays))
+    if ggml_type == GGMLType.Q5_0:
+        return dict(zip(("packed", "high", "scale", "offset"), arrays))
+    return dict(zip(("packed", "scale", "offset"), arrays))
+
+
+def layer_weights(param) -> list[np.ndarray]:
+    """A weight parameter's matrix per layer: a per-layer parameter is a list of views."""
+    return list(param) if isinstance(param, list) else [param]
+
+
+def requantized_weights(model, linears, target: GGMLType) -> tuple[dict[str, tuple], dict[str, str]]:
+    """Every linear weight quantized to `target`, and the float32 model's weights replaced by the
+    dequantization of those blocks (so the prefill runs the same weights); with each op's format."""
+    weights = {}
+    for prefix, attr, _, _ in linears:
+        layers = []
+        for weight in layer_weights(getattr(model.params, attr)):
+            rows, columns = weight.shape
+            if columns % 32:
+                raise PymlError(f"{attr}: rows of {columns} values are not whole {target.name} "
+                                "blocks of 32; use --weights f32")
+            raw = quantize(weight, target).reshape(-1)
+            weight[:] = dequantize(raw, target, weight.shape)
+            layers.append(kept_arrays(target, quantized_matrix(raw, int(target), (rows, columns)).arrays))
+        weights[prefix] = weight_tuple([STEP_KINDS[target]] * len(layers), layers, rows)
+    return weights, {prefix: target.name for prefix in weights}
+
+
+def stored_weights(model, linears, gguf_path: Path) -> tuple[dict[str, tuple], dict[str, str]]:
+    """Every linear weight as the GGUF stores it where one kept type covers all its parts and
+    layers, else as float32 rows (the folder's weights, the same values); with each op's format."""
+    from pyml.runtime.gguf_architectures import architecture_of
+    from pyml.runtime.gguf_read import read_gguf
+
+    gguf = read_gguf(gguf_path)
+    architecture = architecture_of(gguf)
+    gguf_names = {architecture.hf_name(name): name for name in gguf.tensors}
+    weights, formats = {}, {}
+    for prefix, attr, _, tensors in linears:
+        param = getattr(model.params, attr)
+        per_layer = isinstance(param, list)
+        sources = [[gguf_names.get(name.format(l=l) if per_layer else name) for name, _, _ in tensors]
+                   for l in range(len(layer_weights(param)))]
+        # one kept type per layer (all its parts), and one packed width for all layers
+        types = [{gguf.tensors[name].ggml_type if name else None for name in names} for names in sources]
+        if (any(len(kinds) != 1 or next(iter(kinds)) not in STEP_KINDS for kinds in types)
+                or len({PACKED_PER_VALUE[next(iter(kinds))] for kinds in types}) != 1):
+            weights[prefix], formats[prefix] = float_rows(param), "F32"
+            continue
+        layer_types = [next(iter(kinds)) for kinds in types]
+        layers = []
+        for names, ggml_type in zip(sources, layer_types):
+            parts = []
+            for name, (_, first, last) in zip(names, tensors):
+                tensor = gguf.tensors[name]
+                if tensor.shape != (last - first, layer_weights(param)[0].shape[1]):
+                    raise PymlError(f"{gguf_path}: tensor {name!r} of shape {tensor.shape} is not "
+                                    f"the folder's {attr} rows {first}:{last}; import the GGUF again")
+                matrix = quantized_matrix(np.asarray(tensor.data), int(ggml_type), tensor.shape)
+                # the row order the import gave the float32 weight (llama's rotary q and k rows)
+                order = architecture.hf_weight(name, np.arange(tensor.shape[0])[:, None])[:, 0]
+                parts.append(matrix.rows(order).arrays)
+            layers.append(kept_arrays(ggml_type, tuple(np.concatenate(arrays) for arrays in zip(*parts))))
+        weights[prefix] = weight_tuple([STEP_KINDS[t] for t in layer_types], layers,
+                                       len(layers[0]["packed"]))
+        formats[prefix] = "/".join(sorted({t.name for t in layer_types}))
+    return weights, formats
+
+
+@dataclass
+class FusedCache:
+    """A generation's state: the float32 package's one-position buffers (which hold the logits),
+    the step's arguments, and how many positions the cache holds."""
+
+    buffers: object
+    arguments: tuple
+    length: int
+    max_len: int
+
+
+class QuantizedDecoder:
+    """A float32 model for the prompt and the fused step on `weights` for each new token; what
+    `pyml.runtime.generate.generate` calls (start_decoding, decode) as on a package's Model."""
+
+    def __init__(self, model, step: ModuleType, weights: dict[str, tuple], formats: dict[str, str]):
+        self.model, self.step, self.weights, self.formats = model, step, weights, formats
+
+    @classmethod
+    def load(cls, model, weights: str, gguf_path: Path | None) -> QuantizedDecoder:
+        """`model` decoding on `weights` (a --weights value other than f32); as-stored reads
+        the GGUF at `gguf_path`."""
+        step = decode_module(model)
+        if weights == "as-stored":
+            return cls(model, step, *stored_weights(model, step.LINEARS, gguf_path))
+        return cls(model, step, *requantized_weights(model, step.LINEARS, QUANTIZE_TO[weights]))
+
+    def describe_formats(self) -> str:
+        """The formats the linear maps run in, e.g. "Q4_1 (4 ops), Q8_0 (lm_head)"."""
+        ops: dict[str, list[str]] = {}
+        for prefix, name in self.formats.items():
+            ops.setdefault(name, []).append(prefix)
+        return ", ".join(f"{name} ({prefixes[0] if len(prefixes) == 1 else f'{len(prefixes)} ops'})"
+                         for name, prefixes in ops.items())
+
+    def start_decoding(self, prompt_ids, max_len):
+        if np.shape(prompt_ids)[0] != 1:
+            raise PymlError("the fused decode step runs one sequence at a time")
+        cache, logits = self.model.start_decoding(prompt_ids, max_len)
+        keys, values = [], []
+        for layer_keys, layer_values in zip(cache.keys, cache.values):
+            # the float32 cache's layers, one array per attention op: (layers, 1, slots, kv, head dim)
+            slots = max(array.shape[1] for array in layer_keys)
+            for source, target in ((layer_keys, keys), (layer_values, values)):
+                stacked = np.zeros((len(source), *source[0].shape[:1], slots, *source[0].shape[2:]),
+                                   source[0].dtype)
+                for layer, array in enumerate(source):
+                    stacked[layer, :, :array.shape[1]] = array
+                target.append(stacked)
+        arguments = self.step.step_arguments(self.model, cache, self.weights, keys, values)
+        return FusedCache(cache, arguments, cache.length, cache.max_len), logits
+
+    def decode(self, cache: FusedCache, next_ids):
+        if cache.length >= cache.max_len:
+            raise PymlError(f"the decoding cache is full ({cache.max_len} positions)")
+        self.model.load_batch(np.reshape(next_ids, (-1, 1)), cache.buffers.ids, "next_ids")
+        self.step.decode_step(cache.length, *cache.arguments)
+        cache.length += 1
+        return cache.buffers.logits.copy()
