@@ -33,7 +33,7 @@ HEADERS = {
     "cuda": (
         "import math\n\nimport numpy as np\nfrom numba import cuda\n\n"
         "from pyml.package.kernels_cuda import (adamw_grad_norm, adamw_scale, adamw_step, add_into, "
-        "copy_into, residual_add)\n"
+        "copy_into, residual_add, sigmoid)\n"
     ),
 }
 # what the header imports, for `pyml check` and the modules' first line (see pyml.package.vector_math)

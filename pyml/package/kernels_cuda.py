@@ -113,6 +113,17 @@ def adamw_scale(grads, factor):
 JOIN_THREADS = 256
 
 
+@cuda.jit(device=True)
+def sigmoid(z, one):
+    # 1 / (1 + exp(-z)) with exp of -|z| only: on a GPU exp(-z) of a large negative z is inf and the
+    # quotient still 0, but the CUDA simulator's math.exp raises OverflowError there (found by the
+    # simulator fuzz: a GeGLU gate of -300). `one` is 1 in the caller's dtype, so float32 stays so.
+    e = math.exp(-abs(z))
+    if z >= 0:
+        return one / (one + e)
+    return e / (one + e)
+
+
 @cuda.jit
 def residual_add_kernel(x, r, out):
     i = cuda.grid(1)
