@@ -17,13 +17,13 @@ SPEC = ROOT / "specs" / "smollm2_135m.toml"
 QUESTION = "What is the capital of France?"
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def model_dir(smollm2_folder):
     # named as `pyml import-gguf` names the shipped model's spec: gen/smollm2_135m runs the folder
     return smollm2_folder
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def reference(smollm2_reference):
     return smollm2_reference
 

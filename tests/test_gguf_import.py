@@ -63,12 +63,12 @@ def llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
 # -- the real model
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def imported_dir(smollm2_folder) -> Path:
     return smollm2_folder
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def reference_model(smollm2_reference):
     return smollm2_reference[0]
 

@@ -17,7 +17,7 @@ B, T, STEPS = 2, 64, 10
 LR, BETAS, EPS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 1e-8, 0.1
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def model_dir(smollm2_folder):
     return smollm2_folder
 

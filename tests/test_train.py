@@ -216,7 +216,7 @@ def test_sequential_models_refuse_text_data(tmp_path):
         train(SPECS / "mlp_digits.toml", data=tmp_path, out=tmp_path / "run", progress=False)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def smollm2_dir(smollm2_folder):
     return smollm2_folder
 
