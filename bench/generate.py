@@ -50,7 +50,7 @@ PROMPT = "Write a short story about a lighthouse keeper who finds a message in a
 SYSTEMS = {"ours": "pyml (float32, Numba CPU)",
            "ours_quantized": "pyml (fused decode step, weights as stored: {formats}; Numba CPU)",
            "transformers": "transformers (PyTorch eager)",
-           "llamacpp": "llama.cpp (llama-cpp-python, Q4_1 as shipped)"}
+           "llamacpp": "llama.cpp (llama-cpp-python, the GGUF as shipped)"}
 
 
 def ours_run(model, ids, new_tokens, stop):
