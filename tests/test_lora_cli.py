@@ -28,6 +28,7 @@ from pyml.runtime.lora import (
     ADAPTER_MODEL_FILE,
     PEFT_MODULES,
     PEFT_PREFIX,
+    base_weights_digest,
     lora_settings,
     lora_spec,
     merge_lora,
@@ -145,6 +146,27 @@ def test_resume_refuses_other_lora_settings(tiny_folders, lora_run, tmp_path):
     with pytest.raises(PymlError, match=r"^--lora-targets q,v differs from the checkpoint's "
                                         r"q,v,o,down"):
         lora_training(tiny_folders["llama"], out, steps=3, resume=True, lora_targets=["q", "v"])
+
+
+def test_resume_refuses_a_base_whose_weights_changed(tiny_folders, tmp_path):
+    """A LoRA checkpoint holds only adapters: resuming onto other base weights (the --init folder
+    fine-tuned or re-imported in place) is refused, and the checkpoint is left as it was."""
+    init = tmp_path / "base"
+    init.mkdir()
+    for source in tiny_folders["llama"].iterdir():
+        (init / source.name).write_bytes(source.read_bytes())
+    out = tmp_path / "run"
+    first = lora_training(init, out, steps=1)
+    assert read_state(first.checkpoint)["config"]["base_weights"] == base_weights_digest(init)
+    saved = {path: path.read_bytes() for path in first.checkpoint.iterdir()}
+    tensors = read_safetensors(init / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] * 2
+    write_safetensors(init / "model.safetensors", tensors)
+    with pytest.raises(PymlError, match=r"^.*base/model.safetensors holds other weights than the "
+                                        r"base .*step_000001's adapters were trained on; resume "
+                                        r"with that base as --init, or start a new --out$"):
+        lora_training(init, out, steps=2, resume=True)
+    assert {path: path.read_bytes() for path in first.checkpoint.iterdir()} == saved
 
 
 def test_lora_flags_are_refused_where_they_cannot_apply(tiny_folders, tmp_path):

@@ -17,6 +17,7 @@ peft writes one, not only ours.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import tomllib
 from pathlib import Path
@@ -35,6 +36,23 @@ PEFT_MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
                 "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 LORA_FLAGS = {"rank": "--lora-rank", "alpha": "--lora-alpha", "targets": "--lora-targets"}
+
+
+def base_weights_path(init: Path) -> Path:
+    """The base's weights file: `init` itself, or the model.safetensors of the folder it names."""
+    init = Path(init)
+    return init / MODEL_FILE if init.is_dir() else init
+
+
+def base_weights_digest(init: Path) -> str:
+    """The sha256 of the base's weights file: a LoRA checkpoint holds only adapters, so a resume
+    must find the base weights they were trained on (about half a second for SmolLM2)."""
+    path = base_weights_path(init)
+    try:
+        with path.open("rb") as file:
+            return hashlib.file_digest(file, "sha256").hexdigest()
+    except OSError as error:
+        raise PymlError(f"{path}: cannot read the base weights ({error.strerror})") from None
 
 
 def parse_targets(text: str) -> list[str]:

@@ -45,7 +45,7 @@ from pyml.runtime.data import (
     start_id,
 )
 from pyml.runtime.distributed import SingleProcess
-from pyml.runtime.lora import LORA_FLAGS, adapter_files, lora_settings, lora_spec
+from pyml.runtime.lora import LORA_FLAGS, adapter_files, base_weights_digest, base_weights_path, lora_settings, lora_spec
 from pyml.runtime.loss_curve import write_loss_curve
 from pyml.runtime.model_folder import folder_files
 
@@ -92,6 +92,7 @@ class TrainingConfig:
     init: str | None = None
     data: str | None = None
     lora: dict | None = None  # the [lora] table --lora-rank added to the spec: rank, alpha, targets
+    base_weights: str | None = None  # a LoRA run's base_weights_digest of its --init folder
 
 
 @dataclass
@@ -164,6 +165,13 @@ def train(
         lora = new_lora(given_lora, form)
     values = {**base, **{name: value for name, value in given.items() if value is not None},
               "lora": lora}
+    if lora is not None and values.get("init") is not None:
+        digest = base_weights_digest(Path(values["init"]))
+        if resume and base.get("base_weights") not in (None, digest):
+            raise PymlError(f"{base_weights_path(Path(values['init']))} holds other weights than "
+                            f"the base {checkpoint}'s adapters were trained on; resume with that "
+                            "base as --init, or start a new --out")
+        values["base_weights"] = digest
     config = TrainingConfig(
         **{field.name: values.get(field.name) for field in dataclasses.fields(TrainingConfig)}
     )
