@@ -26,6 +26,7 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 from transformers.models.gemma3 import modeling_gemma3
 
 from generator_fuzz import generated_package, random_tensors, relative_error
+from real_model_training import our_losses, relative_differences, torch_losses
 from pyml.runtime.data import encode_documents, load_corpus, next_token_pairs, pack, start_id
 from pyml.runtime.hf_config import config_mismatches
 
@@ -34,10 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 # -- float32, the real model
 
 B, T, STEPS = 2, 64, 3
-# SmolLM2's test settings. The rate is 30x a Gemma fine-tune's (`pyml train --lr 1e-5`): one step
-# takes the loss from 3.85 to 20.9, so an update that differs from torch's shows in the next loss.
-# Measured: relative differences 8e-6, 1.6e-4, 6.5e-5.
-LR, BETAS, EPS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 1e-8, 0.1
+# tests/real_model_training.py's settings, SmolLM2's: the rate is 30x a Gemma fine-tune's (`pyml
+# train --lr 1e-5`), one step takes the loss from 3.85 to 20.9. Measured: relative differences
+# 8e-6, 1.6e-4, 6.5e-5.
 
 
 def text_batches(gemma3_dir):
@@ -51,40 +51,15 @@ def text_batches(gemma3_dir):
     return [(inputs[i : i + B], targets[i : i + B]) for i in range(0, STEPS * B, B)]
 
 
-def torch_losses(gemma3_dir, batches):
-    model = Gemma3ForCausalLM.from_pretrained(gemma3_dir, dtype=torch.float32)
-    model.config._attn_implementation = "sdpa"
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS,
-                                  weight_decay=WEIGHT_DECAY)
-    losses = []
-    for inputs, targets in batches:
-        optimizer.zero_grad(set_to_none=True)
-        logits = model(torch.from_numpy(inputs)).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                 torch.from_numpy(targets).reshape(-1))
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
-
-
-def our_losses(gemma3_dir, batches):
-    import gen.gemma3_270m as package
-
-    model = package.Model.from_safetensors(gemma3_dir)
-    optimizer = package.AdamW(model, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
-    return [package.train_step(model, optimizer, inputs, targets) for inputs, targets in batches]
-
-
 @pytest.mark.slow
 def test_three_adamw_steps_match_pytorch_in_float32(gemma3_dir):
+    import gen.gemma3_270m as package
+
     batches = text_batches(gemma3_dir)
-    expected = np.array(torch_losses(gemma3_dir, batches))
+    expected = torch_losses(Gemma3ForCausalLM, gemma3_dir, batches)
     gc.collect()  # one model and its AdamW state at a time (about 4.3 GB each)
-    actual = np.array(our_losses(gemma3_dir, batches))
-    relative = np.abs(actual - expected) / np.abs(expected)
-    assert relative.max() <= 1e-3, list(zip(actual, expected, strict=True))
+    actual = our_losses(package, gemma3_dir, batches)
+    assert relative_differences(actual, expected).max() <= 1e-3, list(zip(actual, expected, strict=True))
 
 
 # -- float64, a reduced Gemma

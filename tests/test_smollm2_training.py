@@ -5,7 +5,7 @@ summation orders that differ from torch's."""
 
 import numpy as np
 import pytest
-import torch
+from real_model_training import our_losses, relative_differences, torch_losses
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
@@ -14,7 +14,6 @@ from pyml.runtime.data import load_corpus
 package = pytest.importorskip("gen.smollm2_135m", reason="gen/smollm2_135m not generated: run `make gen`")
 
 B, T, STEPS = 2, 64, 10
-LR, BETAS, EPS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 1e-8, 0.1
 
 
 @pytest.fixture(scope="session")
@@ -30,35 +29,11 @@ def text_batches(model_dir):
     return [(window[:, :-1].copy(), window[:, 1:].copy()) for window in windows]
 
 
-def torch_losses(model_dir, batches):
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.config._attn_implementation = "sdpa"
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS,
-                                  weight_decay=WEIGHT_DECAY)
-    losses = []
-    for inputs, targets in batches:
-        optimizer.zero_grad(set_to_none=True)
-        logits = model(torch.from_numpy(inputs)).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                 torch.from_numpy(targets).reshape(-1))
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
-
-
-def our_losses(model_dir, batches):
-    model = package.Model.from_safetensors(model_dir)
-    optimizer = package.AdamW(model, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
-    return [package.train_step(model, optimizer, inputs, targets) for inputs, targets in batches]
-
-
 @pytest.mark.slow
 def test_ten_adamw_steps_match_pytorch_in_float32(model_dir):
     batches = text_batches(model_dir)
-    expected = np.array(torch_losses(model_dir, batches))
-    actual = np.array(our_losses(model_dir, batches))
-    relative = np.abs(actual - expected) / np.abs(expected)
+    expected = torch_losses(AutoModelForCausalLM, model_dir, batches)
+    actual = our_losses(package, model_dir, batches)
+    relative = relative_differences(actual, expected)
     assert relative[0] <= 1e-4, (actual[0], expected[0])
     assert relative.max() <= 1e-3, list(zip(actual, expected, strict=True))
