@@ -67,6 +67,7 @@ def config(run) -> TrainingConfig:
         lr=3e-3 if decoder else 1e-3, weight_decay=0.01, max_grad_norm=1.0 if decoder else 0.1,
         eval_every=run.get("eval_every", 5), eval_batches=2,
         checkpoint_every=run.get("checkpoint_every", 5), seed=0, dtype="float64", device="cpu",
+        lora=run.get("lora"),
     )  # fmt: skip
 
 
@@ -128,10 +129,18 @@ class Faulty:
 
 
 def make_model(run, rank: int):
+    """A run's package and fresh model: the spec's, or with run["lora"] (a [lora] table) the
+    spec's LoRA package (as `pyml train --lora-rank` generates it) on the base weights run["base"]."""
     import importlib
 
-    package = importlib.import_module(f"gen.{run['model']}")
-    model = package.Model.initialized(seed=0, dtype=np.float64)
+    if run.get("lora"):
+        from pyml.runtime.lora import lora_spec
+
+        _, package = lora_spec(ROOT / "specs" / f"{run['model']}.toml", run["lora"])
+        model = package.Model.from_base(run["base"], seed=0, dtype=np.float64)
+    else:
+        package = importlib.import_module(f"gen.{run['model']}")
+        model = package.Model.initialized(seed=0, dtype=np.float64)
     if run.get("buckets"):
         model = ReportsBuckets(model, run["buckets"])
     if run.get("fault"):

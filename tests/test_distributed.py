@@ -3,7 +3,8 @@
 reduced decoder and the digits MLP, sharded optimizer state or not, one bucket or many), repeats
 are bit-identical (also with 3 ranks, where the order of a sum matters), a 2-rank checkpoint
 resumes with 1 rank and with 2, and a fault on one rank stops every rank with one line, a non-zero
-exit and the last checkpoint intact. The runs themselves are in tests/distributed_worker.py."""
+exit and the last checkpoint intact. LoRA (adapters on frozen base weights) trains on 2 ranks as
+on one. The runs themselves are in tests/distributed_worker.py."""
 
 import json
 import os
@@ -69,16 +70,27 @@ def run(folder: Path, name: str, **options) -> dict:
 
 
 DECODER = dict(model="llama_tiny", batch=3)  # 3 rows: 1 and 2 per rank, uneven on purpose
+LORA = {"rank": 4, "alpha": 8.0, "targets": ["q", "v", "down"]}  # a [lora] table
 MLP = dict(model="mlp_digits", batch=64)
 # 13 buckets of uneven sizes, cut into pieces of at most 700 of llama_tiny's 21664 gradients,
 # through 2 staging slots: the exchange's pipeline with many of everything
 MANY = dict(buckets=13, piece_elements=700, staging_slots=2)
 
 
+def lora_base(folder: Path) -> str:
+    """The frozen weights LoRA runs train adapters on: llama_tiny's, seeded."""
+    import gen.llama_tiny as llama
+
+    path = folder / "base.safetensors"
+    llama.Model.initialized(seed=3, dtype=np.float64).to_safetensors(path)
+    return str(path)
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     folder = tmp_path_factory.mktemp("two_ranks")
     runs = {
+        "lora": run(folder, "lora", lora=LORA, base=lora_base(folder), **DECODER),
         "decoder": run(folder, "decoder", **DECODER),
         "decoder_again": run(folder, "decoder_again", **DECODER),
         "decoder_sharded": run(folder, "decoder_sharded", shard=True, **DECODER),
@@ -101,12 +113,13 @@ def two_ranks(tmp_path_factory):
 def references(two_ranks, tmp_path_factory):
     folder = tmp_path_factory.mktemp("one_rank")
     _, runs, _ = two_ranks
-    return {name: one_rank(runs[name], folder / name) for name in ("decoder", "mlp")}
+    return {name: one_rank(runs[name], folder / name) for name in ("decoder", "mlp", "lora")}
 
 
 @pytest.mark.parametrize("name, reference", [
     ("decoder", "decoder"), ("decoder_sharded", "decoder"), ("decoder_buckets", "decoder"),
     ("decoder_buckets_sharded", "decoder"), ("mlp", "mlp"), ("mlp_sharded", "mlp"),
+    ("lora", "lora"),
 ])  # fmt: skip
 def test_two_ranks_train_as_one_rank(two_ranks, references, name, reference):
     _, runs, _ = two_ranks
