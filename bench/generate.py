@@ -13,8 +13,10 @@ each of its calls, would otherwise starve pyml's kernels), once to warm up, then
 medians are reported, with each process's peak resident memory. pyml runs twice: float32, and
 with `pyml generate`'s default `--weights as-stored`, the fused decode step on the GGUF's own
 blocks (the row names their formats). llama.cpp runs when
-`llama-cpp-python` is importable (`make bench-llamacpp` installs it): on all cores, its KV cache
-cleared before every run so that its prefill is measured. pyml's tokens, in both rows, must equal
+`llama-cpp-python` is importable (`make bench-llamacpp` installs it), twice (`llamacpp_model` says
+why): with its defaults, the prompt one token at a time, and without its extra buffer types, the
+prompt in one batch; on all cores, its KV cache cleared before every run so that its prefill is
+measured. pyml's tokens, in both rows, must equal
 transformers' (the benchmark fails otherwise); llama.cpp's are reported as the number of leading tokens that
 equal transformers' (its integer dot products round differently).
 
@@ -50,7 +52,8 @@ PROMPT = "Write a short story about a lighthouse keeper who finds a message in a
 SYSTEMS = {"ours": "pyml (float32, Numba CPU)",
            "ours_quantized": "pyml (fused decode step, weights as stored: {formats}; Numba CPU)",
            "transformers": "transformers (PyTorch eager)",
-           "llamacpp": "llama.cpp (llama-cpp-python, the GGUF as shipped)"}
+           "llamacpp": "llama.cpp (llama-cpp-python defaults, the GGUF as shipped; prompt one token at a time)",
+           "llamacpp_batched": "llama.cpp (llama-cpp-python, extra buffer types off; prompt in one batch)"}
 
 
 def ours_run(model, ids, new_tokens, stop):
@@ -82,13 +85,21 @@ def transformers_run(model, ids, new_tokens):
     return out, prefill, max(total - prefill, 1e-9)
 
 
-def llamacpp_model(gguf: Path, n_ctx: int, n_batch: int, threads: int):
-    """llama.cpp on the shipped GGUF. Its extra buffer types are off: with them, llama-cpp-python
-    0.3.36 built for this machine (AVX-512, AMX) crashed in ggml_backend_amx_mul_mat on its first
-    decode (2026-12-01); without them it runs its AVX-512 VNNI dot products."""
+def llamacpp_model(gguf: Path, n_ctx: int, n_batch: int, threads: int, extra_buffer_types: bool):
+    """llama.cpp on the shipped GGUF, in two configurations, because on the development machine
+    (2026-12-01, llama-cpp-python 0.3.36 built for its AVX-512 and AMX) its defaults crash on a
+    batch of more than one token (a general protection fault in libggml-cpu's AMX product) but
+    decode one token at a time at their full speed:
+    - defaults (its extra buffer types: the weights repacked for AMX), the prompt evaluated one
+      token at a time: llama.cpp's fastest decode on this machine;
+    - extra buffer types off, the prompt in one batch: its batched prefill (AVX-512 VNNI dot
+      products), and a slower decode."""
     import llama_cpp.llama_cpp as bindings
     from llama_cpp import Llama
 
+    if extra_buffer_types:
+        return Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=n_batch, n_threads=threads,
+                     n_threads_batch=threads, verbose=False)
     defaults = bindings.llama_model_default_params
 
     def without_extra_buffer_types():
@@ -149,9 +160,11 @@ def run_system(system: str, model_name: str, new_tokens: int, repeats: int) -> d
             formats = model.describe_formats()
         stop = generation.eos_ids(model_dir)
         run = lambda: ours_run(model, ids, new_tokens, stop)  # noqa: E731
-    elif system == "llamacpp":
+    elif system in ("llamacpp", "llamacpp_batched"):
         gguf = importlib.import_module(bench_model.shipped).shipped_gguf_path()
-        model = llamacpp_model(gguf, len(ids) + new_tokens, len(ids), os.cpu_count())
+        batched = system == "llamacpp_batched"
+        model = llamacpp_model(gguf, len(ids) + new_tokens, len(ids) if batched else 1,
+                               os.cpu_count(), extra_buffer_types=not batched)
         stop = generation.eos_ids(model_dir)
         run = lambda: llamacpp_run(model, ids, new_tokens, stop)  # noqa: E731
     else:
@@ -200,7 +213,9 @@ def main() -> None:
         print(json.dumps(run_system(args.system, args.model, args.new_tokens, args.repeats)))
         return
 
-    systems = ["ours", "ours_quantized", "transformers"] + (["llamacpp"] if importlib.util.find_spec("llama_cpp") else [])
+    systems = ["ours", "ours_quantized", "transformers"]
+    if importlib.util.find_spec("llama_cpp"):
+        systems += ["llamacpp", "llamacpp_batched"]
     results = {}
     for system in systems:
         child = subprocess.run([sys.executable, __file__, "--system", system, "--model", args.model,

@@ -11,6 +11,7 @@ The real SmolLM2 through it (its greedy tokens equal to the float32 path's) is i
 
 from pathlib import Path
 
+import numba
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as GGML
@@ -121,9 +122,12 @@ def test_fused_step_logits_equal_a_numpy_forward(weights):
     expected = reference_logits(model.params, ids)
     cache, logits = decoder.start_decoding(np.array([ids[:5]]), len(ids))
     scale = np.abs(expected).max()
+    threads = numba.get_num_threads()
     for position in range(5, len(ids)):
         logits = decoder.decode(cache, np.array([ids[position]]))
         assert np.abs(logits[0] - expected[position]).max() < 1e-5 * scale
+    # the step runs its small ops on one of the pool's threads, and gives the count back
+    assert numba.get_num_threads() == threads
 
 
 def test_weights_the_fused_step_does_not_know_are_refused_in_one_line():

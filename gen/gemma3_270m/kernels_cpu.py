@@ -515,7 +515,7 @@ def self_attn_core_backward(q, k, v, att, dout, dq, dk, dv, window):
     np.matmul(grad.transpose(0, 1, 3, 2), heads, out=dk.transpose(0, 2, 1, 3))
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, fastmath={"contract", "reassoc"})
 def self_attn_core_decode(q, k_cache, v_cache, n_valid, out):
     # one new token per sequence, attending to cache slots 0..n_valid-1 (the caller has written the
     # new token's k, v into one of them). The slots need not be in position order: a sliding layer's
@@ -523,6 +523,9 @@ def self_attn_core_decode(q, k_cache, v_cache, n_valid, out):
     # the order (up to rounding). q is (B, 1, 4, 256), k_cache, v_cache are
     # (B, slots, 1, 256), out is (B, 1, 4 * 256).
     # Online softmax (running max, rescaled partial sums): O(n_valid) and nothing allocated.
+    # Reassociation lets LLVM vectorize the score's sum over head_dim (strict order keeps it
+    # scalar); the rounding then differs from the full forward's BLAS product only in summation
+    # order.
     n_batch = q.shape[0]
     out4 = out.reshape(n_batch, 1, SELF_ATTN_CORE_N_HEADS, SELF_ATTN_CORE_HEAD_DIM)
     for bh in prange(n_batch * SELF_ATTN_CORE_N_HEADS):

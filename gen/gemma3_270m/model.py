@@ -379,6 +379,13 @@ class Model(base.DecoderModel):
     DecodeBuffers = DecodeBuffers
 
     def run_forward(self, s):
+        self.run_layers(s)
+        k, p = self.device.kernels, self.params
+        k.final_norm_forward(s.stream[-1], p.final_norm, s.final_norm_out, s.final_norm_rstd)
+        k.lm_head_forward(s.final_norm_out, p.embed, s.logits)
+
+    def run_layers(self, s):
+        """The forward ops before the tail's."""
         k, p = self.device.kernels, self.params
         k.embed_forward(s.ids, p.embed, s.stream[0])
         for l in range(N_LAYERS):
@@ -442,8 +449,6 @@ class Model(base.DecoderModel):
                 s.post_feedforward_layernorm_rstd[l],
             )
             k.residual_add(s.residual0_out[l], s.post_feedforward_layernorm_out, s.stream[l + 1])
-        k.final_norm_forward(s.stream[-1], p.final_norm, s.final_norm_out, s.final_norm_rstd)
-        k.lm_head_forward(s.final_norm_out, p.embed, s.logits)
 
     def run_loss_and_backward(self, s, g, ready):
         """The loss and d loss / d logits, then the forward ops' adjoints in reverse order;
@@ -627,6 +632,18 @@ class Model(base.DecoderModel):
             )
             k.residual_add(c.residual0_out, c.post_feedforward_layernorm_out, c.stream_out)
             c.stream_in, c.stream_out = c.stream_out, c.stream_in
+        k.final_norm_forward(c.stream_in, p.final_norm, c.final_norm_out, c.final_norm_rstd)
+        k.lm_head_forward(c.final_norm_out, p.embed, c.logits)
+
+    def run_prompt(self, s, c, T):
+        """The forward ops over a prompt of T positions per sequence in `s`, the tail's on each
+        sequence's last position only, in the decoding buffers `c` (whose logits are then the last
+        position's): the other positions' logits are never read, and the LM head is the largest
+        product of a small model (SmolLM2: 49152 x 576 per position)."""
+        self.run_layers(s)
+        k, p = self.device.kernels, self.params
+        for b in range(c.stream_in.shape[0]):  # contiguous copies, which device arrays take too
+            c.stream_in[b : b + 1] = s.stream[-1][(b + 1) * T - 1 : (b + 1) * T]
         k.final_norm_forward(c.stream_in, p.final_norm, c.final_norm_out, c.final_norm_rstd)
         k.lm_head_forward(c.final_norm_out, p.embed, c.logits)
 

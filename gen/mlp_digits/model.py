@@ -126,6 +126,11 @@ class Model(base.SequentialModel):
     OUTPUT_DIM = OUTPUT_DIM
 
     def run_forward(self, s):
+        self.run_layers(s)
+        k, p = self.device.kernels, self.params
+
+    def run_layers(self, s):
+        """The forward ops before the tail's."""
         k, p = self.device.kernels, self.params
         k.fc1_forward(s.inputs, p.fc1, p.fc1_bias, s.fc1_out)
         k.act1_forward(s.fc1_out, s.act1_out)

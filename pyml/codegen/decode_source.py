@@ -34,6 +34,12 @@ def shape_text(shape: tuple) -> str:
     return f"({shape[0]},)" if len(shape) == 1 else f"({', '.join(map(str, shape))})"
 
 
+def in_parallel(call: str) -> list[str]:
+    """`call` on the pool's threads: the step runs on one thread but for the matrix-vector products
+    and attention (the template says why)."""
+    return ["use_pool_threads(threads)", call, "use_pool_threads(1)"]
+
+
 class FusedStep:
     """Collects the step's arguments, its view definitions and its statements."""
 
@@ -82,7 +88,7 @@ class FusedStep:
                              graph_param(self.graph, op.params["weight"]).tensors))
         weight = self.argument(f"{op.prefix}_weight", f'weights["{op.prefix}"]')
         layer = "l" if graph_param(self.graph, op.params["weight"]).per_layer else "0"
-        lines = [f"linear_row({weight}, {layer}, {x}, {y})"]
+        lines = in_parallel(f"linear_row({weight}, {layer}, {x}, {y})")
         if bias is not None:
             lines.append(f"add_bias({y}, {self.param(bias)})")
         return lines
@@ -136,7 +142,7 @@ class FusedStep:
                 lines += [f"slot, n_valid = cache_slot({op.attrs['window']}[l], position)",
                           f"{keys}[l, :, slot] = {x[1]}[:, 0]",
                           f"{values}[l, :, slot] = {x[2]}[:, 0]",
-                          f"k.{op.prefix}_decode({x[0]}, {keys}[l], {values}[l], n_valid, {y[0]})"]
+                          *in_parallel(f"k.{op.prefix}_decode({x[0]}, {keys}[l], {values}[l], n_valid, {y[0]})")]
             elif op.kind == "loss":
                 continue
             else:  # element-wise: the GLUs and the activations

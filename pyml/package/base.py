@@ -297,11 +297,11 @@ class DecoderModel(Model):
             )
         s, _ = self.buffers_for(B, T)
         self.load_batch(prompt_ids, s.ids, "input_ids")
-        self.run_forward(s)
         cache = self.DecodeBuffers(self.device, B, max_len)
+        self.run_prompt(s, cache, T)
         self.fill_cache(s, cache, T)
         cache.length = T
-        return cache, self.device.to_host(s.logits).reshape(B, T, self.VOCAB)[:, -1].copy()
+        return cache, self.device.to_host(cache.logits).copy()
 
     def decode(self, cache, next_ids):
         """Append one token per sequence (`next_ids`, (B,)) and return its logits (B, VOCAB):

@@ -31,7 +31,11 @@ cached itself: it is compiled into each generated step, whose cache that hash ke
 """
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+from numba.np.ufunc.parallel import _launch_threads
 
 from pyml.package.quantized_dot import (
     q4_row_dot_runs_of_16,
@@ -43,6 +47,42 @@ from pyml.package.quantized_dot import (
 
 Q4_RUNS_OF_16, Q4_RUNS_OF_32, Q5, Q8, Q6, DENSE = 0, 1, 2, 3, 4, 5
 FAST = {"contract", "reassoc"}
+
+# The thread pool's symbols (get_num_threads, set_num_threads) are registered when it starts; a
+# cached step links against them by name.
+_launch_threads()
+
+
+@intrinsic
+def pool_threads(typingctx):
+    """numba.get_num_threads() for a cached function: numba's own calls the pool through a ctypes
+    pointer, which a cached function may not hold; this calls the pool's symbol by name, as the
+    parallel loops Numba compiles do."""
+
+    def codegen(context, builder, signature, args):
+        function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(cgutils.intp_t, []),
+                                                  "get_num_threads")
+        return builder.call(function, [])
+
+    return types.intp(), codegen
+
+
+@intrinsic
+def use_pool_threads(typingctx, count):
+    """numba.set_num_threads(count) for a cached function (see pool_threads): the number of the
+    pool's threads the calling thread's next parallel loops run on, 1 <= count <= pool_threads()
+    at the step's start (not checked: the step only passes 1 and that)."""
+    if not isinstance(count, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        int32 = ir.IntType(32)
+        function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [int32]),
+                                                  "set_num_threads")
+        builder.call(function, [builder.trunc(args[0], int32) if args[0].type.width > 32 else args[0]])
+        return context.get_dummy_value()
+
+    return types.none(count), codegen
 
 
 @njit(parallel=True, fastmath=FAST)
