@@ -17,7 +17,7 @@ import jinja2
 TEMPLATES = Path(__file__).parent / "templates"
 TARGETS = ("cpu", "cuda")
 # The spec-independent kernels (AdamW, the residual joins, the vectorizable math, the quantized row
-# dot products) are hand-written modules under pyml/package/ that every kernel module imports and
+# dot products, CUDA's tiled matrix product) are hand-written modules under pyml/package/ that every kernel module imports and
 # re-exports.
 HEADERS = {
     "cpu": (
@@ -33,7 +33,7 @@ HEADERS = {
     "cuda": (
         "import math\n\nimport numpy as np\nfrom numba import cuda\n\n"
         "from pyml.package.kernels_cuda import (adamw_grad_norm, adamw_scale, adamw_step, add_into, "
-        "copy_into, residual_add, sigmoid)\n"
+        "copy_into, matmul, residual_add, sigmoid)\n"
     ),
 }
 # what the header imports, for `pyml check` and the modules' first line (see pyml.package.vector_math)
@@ -77,8 +77,6 @@ def render_kernel_module(target: str, blocks: list[tuple[str, dict]]) -> str:
     """Source of one kernel module: the header, then one rendered block per (kind, context), or
     bindings to an earlier block of the same kind and dims."""
     header = HEADERS[target]
-    if target == "cuda" and any(kind in ("linear", "frozen_linear") for kind, _ in blocks):
-        blocks = [("matmul", {}), *blocks]  # one tiled matmul serves every linear layer
     parts, first_prefixes = [header], {}
     for kind, context in blocks:
         dims = (kind, tuple(sorted((key, value) for key, value in context.items() if key != "p")))

@@ -1,5 +1,6 @@
 """The spec-independent CUDA kernels every generated CUDA kernel module re-exports: AdamW over the
-flat parameter buffer, and the element-wise joins of the residual stream and of gradients."""
+flat parameter buffer, the element-wise joins of the residual stream and of gradients, and the
+tiled matrix product every linear layer runs."""
 
 import math
 
@@ -168,3 +169,57 @@ def copy_into(out, source):
     copy_into_kernel[(n + JOIN_THREADS - 1) // JOIN_THREADS, JOIN_THREADS](
         out.reshape(n), source.reshape(n)
     )
+
+
+# Tiled shared-memory matrix product (MATMUL_TILE x MATMUL_TILE tiles), shared by every linear
+# layer, in three layouts so that no transposed copy is made: NT (x @ w.T), NN (dy @ w),
+# TN (dy.T @ x). One kernel per layout and dtype, so that tiles and accumulators stay in the input
+# dtype; whether an operand is transposed is a constant of its kernel.
+MATMUL_TILE = 16
+
+
+def matmul_kernel(layout, dtype):
+    """c = A B for c (M, N), A = a or a.T and B = b or b.T as `layout` ("nt", "nn", "tn") says."""
+    a_transposed, b_transposed = layout[0] == "t", layout[1] == "t"
+
+    @cuda.jit
+    def kernel(a, b, c):
+        a_tile = cuda.shared.array((MATMUL_TILE, MATMUL_TILE), dtype)
+        b_tile = cuda.shared.array((MATMUL_TILE, MATMUL_TILE), dtype)
+        tx, ty = cuda.threadIdx.x, cuda.threadIdx.y
+        row = cuda.blockIdx.y * MATMUL_TILE + ty
+        col = cuda.blockIdx.x * MATMUL_TILE + tx
+        n_rows, n_cols = c.shape
+        depth = a.shape[0] if a_transposed else a.shape[1]
+        acc = dtype(0.0)
+        for k0 in range(0, depth, MATMUL_TILE):
+            if row < n_rows and k0 + tx < depth:
+                a_tile[ty, tx] = a[k0 + tx, row] if a_transposed else a[row, k0 + tx]
+            else:
+                a_tile[ty, tx] = 0.0
+            if col < n_cols and k0 + ty < depth:
+                b_tile[ty, tx] = b[col, k0 + ty] if b_transposed else b[k0 + ty, col]
+            else:
+                b_tile[ty, tx] = 0.0
+            cuda.syncthreads()
+            for kk in range(MATMUL_TILE):
+                acc += a_tile[ty, kk] * b_tile[kk, tx]
+            cuda.syncthreads()
+        if row < n_rows and col < n_cols:
+            c[row, col] = acc
+
+    return kernel
+
+
+MATMUL_KERNELS = {np.dtype(dtype): {layout: matmul_kernel(layout, dtype) for layout in ("nt", "nn", "tn")}
+                  for dtype in (np.float32, np.float64)}
+
+
+def matmul(layout, a, b, c):
+    # c is (M, N), a and b as `layout` says; c's dtype picks the kernel
+    threads = (MATMUL_TILE, MATMUL_TILE)
+    blocks = (
+        (c.shape[1] + MATMUL_TILE - 1) // MATMUL_TILE,
+        (c.shape[0] + MATMUL_TILE - 1) // MATMUL_TILE,
+    )
+    MATMUL_KERNELS[np.dtype(c.dtype)][layout][blocks, threads](a, b, c)
