@@ -2,7 +2,8 @@
 
 Specs written here cover every sequential layer kind: linear with and without bias, ReLU, GELU,
 SiLU, RMSNorm (as the first layer, inside a residual, with two eps values, and two norms of one
-kind and dims, which share kernels), a residual, and a residual nested in another. Each is generated with
+kind and dims, which share kernels), a residual, and a residual nested in another at the end of its
+body and at its start (two joins adding into one input's gradient). Each is generated with
 `pyml gen` into a temporary project, imported, and compared with torch autograd: logits, loss, every
 gradient, and ten AdamW steps with gradient clipping. mlp_digits, the shipped spec, is compared
 the same way.
@@ -246,16 +247,62 @@ def data(package, seed, batch):
     inputs = rng.standard_normal((batch, package.model.INPUT_DIM)) * 2.0
     return inputs, rng.integers(0, package.model.OUTPUT_DIM, batch)
 
+# A residual whose body starts with another residual: both joins add into the gradient of the same
+# input, fc_in's output, and the outer one (the first the backward reaches) owns its buffer.
+RESIDUAL_FIRST_IN_BODY = """
+name = "seq_residual_first_in_body"
+form = "sequential"
+input_dim = 10
+output_dim = 5
+
+[[layers]]
+kind = "linear"
+name = "fc_in"
+in_features = 10
+out_features = 8
+
+[[layers]]
+kind = "residual"
+name = "outer"
+
+[[layers.body]]
+kind = "residual"
+name = "inner"
+
+[[layers.body.body]]
+kind = "linear"
+name = "mix_inner"
+in_features = 8
+out_features = 8
+
+[[layers.body]]
+kind = "silu"
+name = "act"
+
+[[layers.body]]
+kind = "linear"
+name = "mix_outer"
+in_features = 8
+out_features = 8
+
+[[layers]]
+kind = "linear"
+name = "head"
+in_features = 8
+out_features = 5
+"""
+
 
 def relative_error(ours, theirs):
     return np.abs(ours - theirs).max() / np.abs(theirs).max()
 
 
 SPECS = {"every_kind": EVERY_KIND, "nested_residual": NESTED_RESIDUAL,
+         "residual_first_in_body": RESIDUAL_FIRST_IN_BODY,
          "mlp_digits": (ROOT / "specs" / "mlp_digits.toml").read_text()}
 @pytest.fixture(scope="module", params=[
     "every_kind", "mlp_digits",
-    "nested_residual",
+    "nested_residual", "residual_first_in_body",
 ])
 def case(request, tmp_path_factory):
     text = SPECS[request.param]
