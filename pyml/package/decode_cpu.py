@@ -1,6 +1,7 @@
 """What every generated fused decode step (gen/<name>/decode_cpu.py) calls besides its package's own
-kernels: the linear map of one row on weights in any kept format, and the KV cache's slot of a
-position.
+kernels: the linear map of one row on weights in any kept format, the KV cache's slot of a
+position, and the thread count of the pool's next parallel loops (the step wakes the pool for its
+matrix-vector products and attention only).
 
 A linear op's weights arrive as one tuple, the same types for every format, so that one compiled
 step serves any mix of formats: (kinds, packed, high, scale, offset, dense), `kinds` the kind of
@@ -48,8 +49,9 @@ from pyml.package.quantized_dot import (
 Q4_RUNS_OF_16, Q4_RUNS_OF_32, Q5, Q8, Q6, DENSE = 0, 1, 2, 3, 4, 5
 FAST = {"contract", "reassoc"}
 
-# The thread pool's symbols (get_num_threads, set_num_threads) are registered when it starts; a
-# cached step links against them by name.
+# The thread pool's symbols (get_num_threads, set_num_threads) are registered with LLVM when it
+# starts (numba's private _launch_threads, which its own get_num_threads calls first); a cached
+# step links against them by name.
 _launch_threads()
 
 
