@@ -311,8 +311,9 @@ def thread_counts() -> dict:
     from threadpoolctl import threadpool_info
 
     pools = sorted({f"{pool['prefix']}:{pool['num_threads']}" for pool in threadpool_info()})
-    steering = {key: os.environ[key] for key in ("OMP_WAIT_POLICY", "OPENBLAS_THREAD_TIMEOUT",
-                                                 "OMP_NUM_THREADS") if key in os.environ}
+    steering = {key: os.environ[key] for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT",
+                                                 "OPENBLAS_THREAD_TIMEOUT", "OMP_NUM_THREADS")
+                if key in os.environ}
     return {"pools": pools, "environment": steering}
 
 

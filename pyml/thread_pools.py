@@ -1,16 +1,29 @@
 """The thread-pool policy pyml puts in force on its first import, whatever was imported before it.
 
 Numba's parallel kernels run on OpenMP (libgomp) and the matrix products on OpenBLAS: thread pools
-on the same cores, used in turn. By default both spin after their work, starving the pool that runs
-next: libgomp's spinning made a one-token decode step take 800 ms instead of 30 ms on 2 cores, and
-OpenBLAS's made the Numba kernels after each matrix product slower. So pyml wants both to sleep at
-once: `OMP_WAIT_POLICY=PASSIVE`, `OPENBLAS_THREAD_TIMEOUT=4`. Both are read by each library when it
-loads, so setting them is enough only if nothing loaded the libraries before pyml. `import torch`
-does, and two things then go wrong (measured 2026-12-01, SmolLM2 training step 0.95 s alone, 2.9 s
-with torch imported first):
+on the same cores, used in turn. What a pool's threads do between two pieces of work decides the
+speed on a small machine, both ways (measured on the 2-core development machine, 2026-12-01):
+
+- Spinning long starves the pool that runs next. libgomp's default (300000 spins, a few
+  milliseconds) made a one-token decode step take 800 ms instead of 30 ms when its products were
+  OpenBLAS's, and OpenBLAS's own spinning slowed the Numba kernels after each product.
+- Sleeping at once makes every parallel loop wake its threads, and on a virtual machine whose idle
+  cores halt (this one: cpuidle haltpoll with guest_halt_poll_ns=0) a wake-up passes through the
+  hypervisor: a parallel loop cost 65 to 110 us with libgomp's OMP_WAIT_POLICY=PASSIVE against
+  1.3 us with a short spin. The fused decode step runs about 150 parallel loops per SmolLM2
+  token: 52 tokens/s passive, 103 with the short spin; a training step took the same time
+  (1.18 s) both ways.
+
+So pyml asks libgomp for a short spin, `GOMP_SPINCOUNT=3000` (libgomp counts about 100000 spins
+per millisecond: tens of microseconds, which covers the gaps between one token's kernels and ends
+before a BLAS product needs the core), and OpenBLAS for its shortest, `OPENBLAS_THREAD_TIMEOUT=4`.
+A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT is kept. Both libraries read the variables when
+they load, so setting them is enough only if nothing loaded the libraries before pyml. `import
+torch` does, and two things then go wrong (measured 2026-12-01, SmolLM2 training step 0.95 s
+alone, 2.9 s with torch imported first):
 
 - torch loads its own libgomp into the process's global symbol scope (`libtorch_global_deps`,
-  RTLD_GLOBAL), before pyml set the wait policy. Numba's OpenMP pool (`omppool`) links the system's
+  RTLD_GLOBAL), before pyml set the spin count. Numba's OpenMP pool (`omppool`) links the system's
   `libgomp.so.1.0.0`, but a symbol is looked up in the global scope first, so its `GOMP_parallel`
   binds to torch's libgomp, which spins after every kernel. pyml therefore loads `omppool` itself,
   with RTLD_DEEPBIND: its symbols bind to the libgomp it links, which loads now, after the variable
@@ -25,9 +38,13 @@ import glob
 import importlib.util
 import os
 
-THREAD_POOL_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE", "OPENBLAS_THREAD_TIMEOUT": "4"}
-# the ones the user had not set: `user_environment` leaves them out again
-SET_ON_IMPORT = tuple(name for name in THREAD_POOL_ENVIRONMENT if name not in os.environ)
+THREAD_POOL_ENVIRONMENT = {"GOMP_SPINCOUNT": "3000", "OPENBLAS_THREAD_TIMEOUT": "4"}
+# what else steers each: a user who set it chose the library's waiting
+USER_CHOICES = {"GOMP_SPINCOUNT": ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"),
+                "OPENBLAS_THREAD_TIMEOUT": ("OPENBLAS_THREAD_TIMEOUT",)}
+# the ones the user had not chosen: `user_environment` leaves them out again
+SET_ON_IMPORT = tuple(name for name in THREAD_POOL_ENVIRONMENT
+                      if not any(choice in os.environ for choice in USER_CHOICES[name]))
 
 # the loaded `omppool`, kept so that it is never unloaded; None where numba has no OpenMP layer
 numba_openmp_pool = None
