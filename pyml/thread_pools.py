@@ -14,10 +14,11 @@ speed on a small machine, both ways (measured on the 2-core development machine,
   token: 52 tokens/s passive, 103 with the short spin; a training step took the same time
   (1.18 s) both ways.
 
-So pyml asks libgomp for a short spin, `GOMP_SPINCOUNT=3000` (libgomp counts about 100000 spins
-per millisecond: tens of microseconds, which covers the gaps between one token's kernels and ends
-before a BLAS product needs the core), and OpenBLAS for its shortest, `OPENBLAS_THREAD_TIMEOUT=4`.
-A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT is kept. Both libraries read the variables when
+So pyml asks numba's libgomp for a short spin, `GOMP_SPINCOUNT=3000` (libgomp counts about
+100000 spins per millisecond: tens of microseconds, which covers the gaps between one token's
+kernels and ends before a BLAS product needs the core; the count overrides OMP_WAIT_POLICY, which
+pyml sets to PASSIVE for every other OpenMP runtime), and OpenBLAS for its shortest,
+`OPENBLAS_THREAD_TIMEOUT=4`. A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT is kept. Both libraries read the variables when
 they load, so setting them is enough only if nothing loaded the libraries before pyml. `import
 torch` does, and two things then go wrong (measured 2026-12-01, SmolLM2 training step 0.95 s
 alone, 2.9 s with torch imported first):
@@ -38,13 +39,19 @@ import glob
 import importlib.util
 import os
 
-THREAD_POOL_ENVIRONMENT = {"GOMP_SPINCOUNT": "3000", "OPENBLAS_THREAD_TIMEOUT": "4"}
+THREAD_POOL_ENVIRONMENT = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "3000",
+                           "OPENBLAS_THREAD_TIMEOUT": "4"}
 # what else steers each: a user who set it chose the library's waiting
-USER_CHOICES = {"GOMP_SPINCOUNT": ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"),
+USER_CHOICES = {"OMP_WAIT_POLICY": ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"),
+                "GOMP_SPINCOUNT": ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY"),
                 "OPENBLAS_THREAD_TIMEOUT": ("OPENBLAS_THREAD_TIMEOUT",)}
 # the ones the user had not chosen: `user_environment` leaves them out again
 SET_ON_IMPORT = tuple(name for name in THREAD_POOL_ENVIRONMENT
                       if not any(choice in os.environ for choice in USER_CHOICES[name]))
+# set only while numba's libgomp loads: the short spin is tuned to pyml's kernels, and an OpenMP
+# runtime that starts later in the process (one that torch or a BLAS starts on first use) would read
+# it too; those see OMP_WAIT_POLICY=PASSIVE, as they did before pyml spun at all
+FOR_NUMBA_ONLY = ("GOMP_SPINCOUNT",)
 
 # the loaded `omppool`, kept so that it is never unloaded; None where numba has no OpenMP layer
 numba_openmp_pool = None
@@ -99,5 +106,8 @@ def restart_loaded_openblas() -> None:
 def put_in_force() -> None:
     for name in SET_ON_IMPORT:
         os.environ[name] = THREAD_POOL_ENVIRONMENT[name]
-    bind_numba_openmp_pool()
+    bind_numba_openmp_pool()  # its libgomp reads the variables as it loads
+    for name in FOR_NUMBA_ONLY:
+        if name in SET_ON_IMPORT:
+            del os.environ[name]
     restart_loaded_openblas()

@@ -57,13 +57,15 @@ def test_benchmarks_start_from_the_users_thread_environment(user_setting):
     # pyml sets thread-pool variables on import; `pyml bench` must hand its scripts (and so
     # PyTorch's worker) the environment the user gave, with a user's own choice of libgomp's
     # waiting kept (and then no spin count of pyml's)
-    code = ("import os, pyml; print(os.environ.get('GOMP_SPINCOUNT'), "
-            "pyml.user_environment().get('GOMP_SPINCOUNT'))")
+    code = ("import os, pyml; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'), "
+            "pyml.user_environment().get('OMP_WAIT_POLICY'), pyml.user_environment().get('GOMP_SPINCOUNT'))")
     environment = {name: value for name, value in os.environ.items()
                    if name not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OPENBLAS_THREAD_TIMEOUT")}
     if user_setting:
         environment[user_setting[0]] = user_setting[1]
     result = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True,
                             text=True, check=True)
-    expected = {None: ["3000", "None"], "GOMP_SPINCOUNT": ["50", "50"], "OMP_WAIT_POLICY": ["None", "None"]}
+    # pyml's spin count is for numba's libgomp alone, set while it loads and removed after
+    expected = {None: ["PASSIVE", "None", "None", "None"], "GOMP_SPINCOUNT": ["None", "50", "None", "50"],
+                "OMP_WAIT_POLICY": ["ACTIVE", "None", "ACTIVE", "None"]}
     assert result.stdout.split() == expected[user_setting and user_setting[0]]
