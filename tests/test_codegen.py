@@ -59,7 +59,8 @@ def kernel_calls(source: str, function: str) -> list[str]:
 def test_generated_backward_is_the_forward_reversed(package):
     """The composition law made literal: the backward calls the forward's layers in reverse."""
     source = (ROOT / "gen" / package / "model.py").read_text()
-    forward = kernel_calls(source, "run_forward")
+    assert "def run_forward(self, s):\n        self.run_layers(s)\n" in source
+    forward = kernel_calls(source, "run_layers") + kernel_calls(source, "run_forward")
     # the loss's fused forward and backward opens the backward pass
     backward = [name for name in kernel_calls(source, "run_loss_and_backward") if name != "loss"]
     assert forward and backward == forward[::-1]
