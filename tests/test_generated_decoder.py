@@ -176,3 +176,24 @@ def test_a_nonfinite_loss_leaves_weights_unchanged():
         tiny.train_step(model, optimizer, ids, targets)
     assert np.array_equal(model.params.flat, before, equal_nan=True)
     assert optimizer.step_count == 0
+
+
+def test_each_gradient_bucket_is_reported_in_order_once_it_is_final():
+    """The backward calls on_grads_ready(i) for GRAD_BUCKETS 0, 1, 2, ... as it finishes them (the
+    tail's parameters, each layer from the last, the embedding), and bucket i's gradients are then
+    already their final values: what lets the data-parallel exchange start before the backward ends."""
+    model = tiny.Model.initialized(seed=0, dtype=np.float64)
+    inputs, targets = batch()
+    reports = []
+
+    def ready(index):
+        start, stop = model.grad_buckets[index]
+        reports.append((index, model.grads.flat[start:stop].copy()))
+
+    model.loss_and_grads(inputs, targets, ready)
+    assert [index for index, _ in reports] == list(range(len(model.grad_buckets)))
+    assert len(model.grad_buckets) == tiny_model.N_LAYERS + 2
+    for index, at_report in reports:
+        start, stop = model.grad_buckets[index]
+        assert np.array_equal(at_report, model.grads.flat[start:stop])
+        assert np.any(at_report != 0)
