@@ -17,8 +17,8 @@ import jinja2
 TEMPLATES = Path(__file__).parent / "templates"
 TARGETS = ("cpu", "cuda")
 # The spec-independent kernels (AdamW, the residual joins, the vectorizable math, the quantized row
-# dot products, CUDA's tiled matrix product) are hand-written modules under pyml/package/ that every kernel module imports and
-# re-exports.
+# dot products, CUDA's tiled matrix product) are hand-written modules under pyml/package/ that
+# every kernel module imports and re-exports.
 HEADERS = {
     "cpu": (
         "import math\n\nimport numpy as np\nfrom numba import njit, prange\n\n"

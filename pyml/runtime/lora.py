@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from pyml.errors import PymlError
-from pyml.runtime.model_folder import DESCRIPTION_FILES, MODEL_FILE, SPEC_FILE
+from pyml.runtime.model_folder import DESCRIPTION_FILES, MODEL_FILE, SPEC_FILE, weights_file
 from pyml.runtime.safetensors_io import atomic_write, read_safetensors, write_safetensors
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
@@ -38,16 +38,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 LORA_FLAGS = {"rank": "--lora-rank", "alpha": "--lora-alpha", "targets": "--lora-targets"}
 
 
-def base_weights_path(init: Path) -> Path:
-    """The base's weights file: `init` itself, or the model.safetensors of the folder it names."""
-    init = Path(init)
-    return init / MODEL_FILE if init.is_dir() else init
-
-
 def base_weights_digest(init: Path) -> str:
     """The sha256 of the base's weights file: a LoRA checkpoint holds only adapters, so a resume
     must find the base weights they were trained on (about half a second for SmolLM2)."""
-    path = base_weights_path(init)
+    path = weights_file(init)
     try:
         with path.open("rb") as file:
             return hashlib.file_digest(file, "sha256").hexdigest()

@@ -35,6 +35,12 @@ DESCRIPTION_FILES = (
 )
 
 
+def weights_file(init: Path) -> Path:
+    """The weights of `--init`: the file itself, or the model.safetensors of the folder it names."""
+    init = Path(init)
+    return init / MODEL_FILE if init.is_dir() else init
+
+
 def folder_files(spec_path: Path, init: Path | None) -> dict[str, bytes]:
     """The files a model folder of the spec at `spec_path`, trained from `init`, holds beside its
     weights: the spec, and the description files `init` has when it is a folder."""

@@ -28,7 +28,6 @@ from tqdm import tqdm
 
 from pyml.errors import PymlError
 from pyml.runtime.checkpoint import (
-    MODEL_FILE,
     latest_checkpoint,
     load_checkpoint,
     read_state,
@@ -45,9 +44,10 @@ from pyml.runtime.data import (
     start_id,
 )
 from pyml.runtime.distributed import SingleProcess
-from pyml.runtime.lora import LORA_FLAGS, adapter_files, base_weights_digest, base_weights_path, lora_settings, lora_spec
+from pyml.runtime.lora import (LORA_FLAGS, adapter_files, base_weights_digest, lora_settings,
+                               lora_spec)
 from pyml.runtime.loss_curve import write_loss_curve
-from pyml.runtime.model_folder import folder_files
+from pyml.runtime.model_folder import folder_files, weights_file
 
 IGNORED_TARGET = -100  # the generated losses skip this target, as torch's cross_entropy does
 LOSS_CURVE_FILE = "loss.png"
@@ -168,7 +168,7 @@ def train(
     if lora is not None and values.get("init") is not None:
         digest = base_weights_digest(Path(values["init"]))
         if resume and base.get("base_weights") not in (None, digest):
-            raise PymlError(f"{base_weights_path(Path(values['init']))} holds other weights than "
+            raise PymlError(f"{weights_file(Path(values['init']))} holds other weights than "
                             f"the base {checkpoint}'s adapters were trained on; resume with that "
                             "base as --init, or start a new --out")
         values["base_weights"] = digest
@@ -479,7 +479,7 @@ def init_weights(init: Path) -> tuple[dict[str, np.ndarray], str]:
     """The tensors of `--init` (a model folder holding model.safetensors, or the file itself)."""
     from pyml.runtime.safetensors_io import read_safetensors
 
-    path = init / MODEL_FILE if init.is_dir() else init
+    path = weights_file(init)
     return read_safetensors(path), str(path)
 
 
