@@ -441,6 +441,52 @@ def test_activation(k, dtype, kind):
     close(dx, tx.grad, dtype, "elementwise")
 
 
+# inputs of every magnitude, for the slopes: random inputs of order 1 cannot see a slope that a large
+# input rounds away (the fuzzer found SiLU's, written sig + silu - silu sig: 0 instead of 1 for
+# float64 gates past 2^53, which a spec whose residual stream grows as x^8 per block reaches).
+# Float32 goes to 1e8 only: its exp is clamped to [-87, 88] (vector_math), so gelu_tanh's slope,
+# x s (1 - s) dz/dx with dz/dx of order x², reads the clamped tail past |x| of about 1e12.
+MAGNITUDES = {np.float64: np.logspace(-3, 100, 207), np.float32: np.logspace(-3, 8, 45)}
+SLOPE_REFERENCES = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "mlp": F.silu,  # the SwiGLU's gate
+    "geglu": ACT2FN["gelu_pytorch_tanh"],
+}
+
+
+def every_magnitude(dtype, multiple):
+    m = MAGNITUDES[dtype]
+    x = np.concatenate([-m[::-1], [0.0], m])
+    return np.concatenate([x, np.zeros(-x.size % multiple)]).astype(dtype).reshape(-1, multiple)
+
+
+def torch_slope(kind, x):
+    tx = t(x.astype(np.float64), True)  # float32 inputs are exact in float64
+    SLOPE_REFERENCES[kind](tx).sum().backward()
+    return tx.grad
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["silu", "gelu"])
+def test_activation_slope_at_every_magnitude(k, dtype, kind):
+    x = every_magnitude(dtype, 1)
+    dx = np.empty_like(x)
+    getattr(k, f"{kind}_backward")(x, np.ones_like(x), dx)
+    close(dx, torch_slope(kind, x), dtype, "elementwise")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["mlp", "geglu"])  # SwiGLU, GeGLU
+def test_gate_slope_at_every_magnitude(k, dtype, kind):
+    # ups of 1 and dh of 1, so that the gate's gradient is the activation's slope
+    gates = every_magnitude(dtype, HIDDEN)
+    gate_up = np.concatenate([gates, np.ones_like(gates)], axis=1)
+    dgate_up = np.empty_like(gate_up)
+    getattr(k, f"{kind}_backward")(gate_up, np.ones_like(gates), dgate_up)
+    close(dgate_up[:, :HIDDEN], torch_slope(kind, gates), dtype, "elementwise")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_residual(k, dtype):
     rng = np.random.default_rng(0)

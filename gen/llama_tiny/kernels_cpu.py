@@ -459,9 +459,10 @@ def mlp_glu_backward(gate_up, dh, dgate_up):
     # in the forward pass this was: h = silu(gate) * up
     # so now we have (Lean law hadamard_adjoint for the product):
     #   dup = dh * silu(gate),  dgate = dh * up * silu'(gate)
-    # with silu'(g) = sig (1 + g (1 - sig)) = sig + silu - silu sig, sig = sigmoid(g) (written
-    # without literals, which are float64 and would widen float32 arithmetic): no Lean law, numerics
-    # checked against PyTorch and finite differences. dgate_up (like gate_up, (N, 2 * 64)) is
+    # with silu'(g) = sig (1 + g (1 - sig)) = sig + silu sigmoid(-g), sig = sigmoid(g): 1 - sig is
+    # sigmoid(-g), which neither cancels nor needs a literal (a float64 one would widen float32
+    # arithmetic); written sig + silu - silu sig, a large silu rounded sig away (float64 gates past
+    # 2^53 had slope 0 for 1). No Lean law, numerics checked against PyTorch and finite differences. dgate_up (like gate_up, (N, 2 * 64)) is
     # overwritten; dh is (N, 64).
     for n in prange(dh.shape[0]):
         for i in range(MLP_GLU_HIDDEN):
@@ -469,7 +470,9 @@ def mlp_glu_backward(gate_up, dh, dgate_up):
             sig = sigmoid_vectorizable(g)
             silu = g * sig
             dgate_up[n, MLP_GLU_HIDDEN + i] = dh[n, i] * silu
-            dgate_up[n, i] = dh[n, i] * gate_up[n, MLP_GLU_HIDDEN + i] * (sig + silu - silu * sig)
+            dgate_up[n, i] = (
+                dh[n, i] * gate_up[n, MLP_GLU_HIDDEN + i] * (sig + silu * sigmoid_vectorizable(-g))
+            )
 
 
 # Linear layer mlp_down: y = x @ w.T, in_features=64, out_features=32.
