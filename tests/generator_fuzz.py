@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from hypothesis import assume
 from hypothesis import strategies as st
 
 from pyml.codegen.derived import derived_package
@@ -81,6 +82,9 @@ def check_against_torch(data: dict, batch: tuple[int, int], seed: int, device: s
         inputs = rng.normal(0.0, 1.0, (B, spec.input_dim))
         targets = rng.integers(0, spec.output_dim, B)
     logits, loss, grads = loss_and_grads(Reference(spec, tensors), inputs, targets)
+    # a draw whose float64 reference overflows compares nothing: with weights of scale 1, each gated
+    # MLP squares the stream's scale and a block may hold nine, so three blocks can pass 1e308
+    assume(np.isfinite(loss) and all(np.isfinite(a).all() for a in (logits, *grads.values())))
     assert relative_error(model.forward(inputs), logits) < RTOL, "logits"
     ours = model.loss_and_grads(inputs, targets)
     assert abs(ours - loss) <= RTOL * abs(loss), f"loss {ours} != {loss}"
