@@ -23,7 +23,7 @@ HEADERS = {
     "cpu": (
         "import math\n\nimport numpy as np\nfrom numba import njit, prange\n\n"
         "from pyml.package.kernels_cpu import (adamw_grad_norm, adamw_scale, adamw_step, add_into, "
-        "copy_into, residual_add)\n"
+        "copy_into, linear_product, residual_add)\n"
         "from pyml.package.vector_math import (F32_ONE, MAX_LANES, dot_float64, exp_vectorizable, "
         "gelu_tanh_vectorizable, gelu_tanh_with_derivative_vectorizable, max_value, "
         "sigmoid_vectorizable, sum_float64, unit_offset_weighted_dot_float64, weighted_dot_float64)\n"
