@@ -31,6 +31,8 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from pyml.package.kernels_cpu import linear_product
+
 D, HIDDEN, V = DIMS["dim"], DIMS["hidden"], DIMS["vocab"]
 H, KV, HD, C = DIMS["n_heads"], DIMS["n_kv_heads"], DIMS["head_dim"], DIMS["classes"]
 MAX_SEQ = 32
@@ -101,6 +103,23 @@ def test_linear(k, dtype, n, bias):
     close(y, ty, dtype, "linear")
     close(dx, tx.grad, dtype, "linear")
     close(dw, tw.grad, dtype, "linear")
+
+
+# the linear forward's product on few rows (kernels_cpu.few_rows_product): every remainder of the
+# rows of x and of the weight's rows by its blocks of 4, and the row counts on both sides of the
+# switch to OpenBLAS
+FEW_ROW_SHAPES = [(2, 5, 3), (3, 7, 9), (5, 24, 41), (7, 24, 40), (33, 24, 42), (63, 17, 43),
+                  (64, 24, 40)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "features", "outputs"), FEW_ROW_SHAPES)
+def test_linear_product_of_few_rows(dtype, n, features, outputs):
+    rng = np.random.default_rng(n)
+    x, w = rand(rng, (n, features), dtype), rand(rng, (outputs, features), dtype)
+    y = np.full((n, outputs), np.nan, dtype)
+    linear_product(x, w, y)
+    close(y, F.linear(t(x), t(w)), dtype, "linear")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
