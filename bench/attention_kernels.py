@@ -4,9 +4,11 @@ a change to the templates must not slow the path the shipped models take.
 
 Both versions are rendered from their templates with the spec's dims, imported into this process
 and timed alternately: forward, backward and one decode step; best of --rounds rounds of --repeats
-calls each (these machines are shared: single runs vary by tens of percent).
+calls each (these machines are shared: single runs vary by tens of percent). q, k and v are views
+of one fused (B, T, 15, 64) qkv array, as the generated model passes them. The largest difference
+between the two versions' outputs is printed; it must stay at float32 rounding.
 
-    python bench/attention_kernels.py [--rev 5b899aa] [--rounds 7] [--repeats 10]
+    python bench/attention_kernels.py [--rev fe75df9] [--rounds 7] [--repeats 10]
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import numpy as np
 from pyml.codegen import render
 
 ROOT = Path(__file__).resolve().parent.parent
-CONTEXT = dict(p="attention", n_heads=9, n_kv_heads=3, head_dim=64)
+CONTEXT = dict(p="attention", n_heads=9, n_kv_heads=3, head_dim=64, scale=0.125)
 B, T = 2, 128
 
 
@@ -54,7 +56,7 @@ def load(templates: Path, name: str):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rev", default="5b899aa", help="the revision to compare against")
+    parser.add_argument("--rev", default="fe75df9", help="the revision to compare against")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
@@ -63,46 +65,25 @@ def main() -> None:
                     "working tree": load(ROOT / "pyml/codegen/templates", "tree")}
     h, kv, hd = CONTEXT["n_heads"], CONTEXT["n_kv_heads"], CONTEXT["head_dim"]
     rng = np.random.default_rng(0)
-    q = rng.standard_normal((B, T, h, hd)).astype(np.float32)
-    k, v = (rng.standard_normal((B, T, kv, hd)).astype(np.float32) for _ in range(2))
+    qkv = rng.standard_normal((B, T, h + 2 * kv, hd)).astype(np.float32)
+    q, k, v = qkv[:, :, :h], qkv[:, :, h : h + kv], qkv[:, :, h + kv :]
     dout = rng.standard_normal((B, T, h * hd)).astype(np.float32)
     att, out = np.empty((B, h, T, T), np.float32), np.empty((B, T, h * hd), np.float32)
-    dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
+    dqkv = np.empty_like(qkv)
+    dq, dk, dv = dqkv[:, :, :h], dqkv[:, :, h : h + kv], dqkv[:, :, h + kv :]
     cache_k, cache_v = (rng.standard_normal((B, 512, kv, hd)).astype(np.float32) for _ in range(2))
     q1, out1 = np.ascontiguousarray(q[:, -1:]), np.empty((B, 1, h * hd), np.float32)
-    scores = rng.standard_normal((B, kv, h // kv * T, T)).astype(np.float32) * 8
-    grad_in = rng.standard_normal(scores.shape).astype(np.float32)
-    grad = np.empty_like(grad_in)
-    lanes = np.empty((B * h * T, 16), np.float32)
-    scale = np.float32(hd**-0.5)
-
-    def window_args(kernel, n_args):  # (0,), where the kernel takes a window after its n_args
-        return (0,) * (kernel.py_func.__code__.co_argcount - n_args)
-
-    def softmax_forward(m):
-        kernel = m.attention_softmax_forward_kernel
-        kernel(scores, scale, att, lanes, *window_args(kernel, 4))
-
-    def softmax_backward(m):
-        kernel = m.attention_softmax_backward_kernel
-        probs = att.reshape(B, kv, h // kv * T, T)
-        np.copyto(grad, grad_in)  # the kernel overwrites dP with dS (a 1.2 MB copy, both versions)
-        kernel(probs, scale, grad, *window_args(kernel, 3))
-
     calls = {
-        "forward": lambda m: m.attention_forward(q, k, v, att, out),
-        "backward": lambda m: m.attention_backward(q, k, v, att, dout, dq, dk, dv),
+        "forward": lambda m: m.attention_forward(q, k, v, att, out, 0),
+        "backward": lambda m: m.attention_backward(q, k, v, att, dout, dq, dk, dv, 0),
         "decode (300 cached)": lambda m: m.attention_decode(q1, cache_k, cache_v, 300, out1),
-        # the two kernels the window changed, alone (the products around them are BLAS)
-        "softmax forward": softmax_forward,
-        "softmax backward": softmax_backward,
     }
     outputs = {}
-    for name, module in versions.items():  # compile, and check both compute the same
+    for name, module in versions.items():  # compile, and keep what each computes
         for call in calls.values():
             call(module)
-        outputs[name] = [a.copy() for a in (att, out, dq, dk, dv, out1, grad)]
-    same = all(np.array_equal(a, b) for a, b in zip(*outputs.values()))
+        outputs[name] = [a.copy() for a in (att, out, dqkv, out1)]
+    difference = max(float(np.abs(a - b).max()) for a, b in zip(*outputs.values()))
     best = {(name, call): float("inf") for name in versions for call in calls}
     for _ in range(args.rounds):
         for name, module in versions.items():
@@ -113,11 +94,11 @@ def main() -> None:
                 elapsed = (time.perf_counter() - start) / args.repeats
                 best[name, call_name] = min(best[name, call_name], elapsed)
     print(f"attention {CONTEXT} B={B} T={T} float32, best of {args.rounds} x {args.repeats}")
-    print(f"outputs bit-identical between the versions: {same}")
+    print(f"largest difference between the versions' outputs: {difference:.3g}")
     for call_name in calls:
         times = "  ".join(f"{name}: {best[name, call_name] * 1e3:.3f} ms" for name in versions)
         print(f"  {call_name:20s} {times}")
-    sys.exit(0 if same else 1)
+    sys.exit(0 if difference < 1e-4 else 1)
 
 
 if __name__ == "__main__":

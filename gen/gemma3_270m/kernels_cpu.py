@@ -352,35 +352,40 @@ SELF_ATTN_CORE_N_KV_HEADS = 1
 SELF_ATTN_CORE_GROUP = 4
 SELF_ATTN_CORE_HEAD_DIM = 256
 SELF_ATTN_CORE_SCALE = 0.0625
-# The four products run through numpy's OpenBLAS, one (G*T x ...) product per (batch, kv head): the
-# 4 query heads of a group are stacked as rows, so Q is viewed as (B, 1, G*T, 256) against
-# K (B, 1, T, 256). K, V, dK, dV are used as strided views of the caller's (B, T, 1, 256)
-# arrays (BLAS takes the row stride); Q, O, dO, dQ need head-major copies in scratch buffers.
-# The products are full (T x T); the causal (and window) mask is applied in the fused softmax kernels.
+# The forward and backward run in Numba, 4 rows at a time: 4 query rows against 4 key rows, with 16
+# sums in registers over head_dim, for the scores S = Q Kᵀ and dP = dO Vᵀ; 4 output rows at a time
+# for the weighted sums O = P V, dQ = dS K, dV = Pᵀ dO and dK = dSᵀ Q. Only the blocks that meet the
+# causal window are computed: about half of a full (T x T) product. (Through OpenBLAS, one batched
+# product per (batch, kv head), the 6 products of a layer at T = 128 cost more in BLAS's calls and
+# thread hand-offs than in arithmetic.) Each output element is summed by one loop iteration in a
+# fixed order, so the results do not depend on the thread count.
+# The kernels take C-contiguous copies of q, k, v and dO and write dq, dk, dv and out through
+# copies: the caller's q, k, v are strided views of its fused qkv rows, and a strided row does not
+# vectorize (3.6x slower at SmolLM2's shapes).
 # Scratch: one set per (B, T, dtype), allocated on first use, so nothing is allocated in the step.
 SELF_ATTN_CORE_SCRATCH = {}
 
 
 def self_attn_core_scratch(n_batch, n_tokens, dtype):
-    # (heads, rows, scores, lanes): heads holds Q head-major, rows holds O, dO or dQ head-major, both
-    # (B, 1, G*T, 256); scores holds S, then dP, then dS, (B, 1, G*T, T); lanes is
-    # the softmax's running-max scratch, (B * 4 * T, MAX_LANES)
+    # (queries, keys, values, head_rows, key_rows, value_rows, grad, lanes): queries holds Q and
+    # head_rows O, dO or dQ, both (B, T, 4, 256); keys, values, key_rows and value_rows hold K, V,
+    # dK and dV, (B, T, 1, 256); grad holds dP, then dS, (B, 4, T, T); lanes is the softmax's
+    # running-max scratch, (B * 4 * T, MAX_LANES)
     key = (n_batch, n_tokens, np.dtype(dtype))
     if key not in SELF_ATTN_CORE_SCRATCH:
-        rows = SELF_ATTN_CORE_GROUP * n_tokens
+        heads = (n_batch, n_tokens, SELF_ATTN_CORE_N_HEADS, SELF_ATTN_CORE_HEAD_DIM)
+        kv_heads = (n_batch, n_tokens, SELF_ATTN_CORE_N_KV_HEADS, SELF_ATTN_CORE_HEAD_DIM)
         SELF_ATTN_CORE_SCRATCH[key] = (
-            np.empty((n_batch, SELF_ATTN_CORE_N_KV_HEADS, rows, SELF_ATTN_CORE_HEAD_DIM), dtype),
-            np.empty((n_batch, SELF_ATTN_CORE_N_KV_HEADS, rows, SELF_ATTN_CORE_HEAD_DIM), dtype),
-            np.empty((n_batch, SELF_ATTN_CORE_N_KV_HEADS, rows, n_tokens), dtype),
+            np.empty(heads, dtype),
+            np.empty(kv_heads, dtype),
+            np.empty(kv_heads, dtype),
+            np.empty(heads, dtype),
+            np.empty(kv_heads, dtype),
+            np.empty(kv_heads, dtype),
+            np.empty((n_batch, SELF_ATTN_CORE_N_HEADS, n_tokens, n_tokens), dtype),
             np.empty((n_batch * SELF_ATTN_CORE_N_HEADS * n_tokens, MAX_LANES), dtype),
         )
     return SELF_ATTN_CORE_SCRATCH[key]
-
-
-def self_attn_core_head_major(x, n_batch, n_tokens):
-    # the (B, 1, G*T, 256) scratch x viewed as (B, 4, T, 256): head h = kv * G + i is
-    # rows i*T .. i*T+T-1 of kv head kv
-    return x.reshape(n_batch, SELF_ATTN_CORE_N_HEADS, n_tokens, SELF_ATTN_CORE_HEAD_DIM)
 
 
 def self_attn_core_split_heads(x):
@@ -400,35 +405,232 @@ def self_attn_core_window_start(t, window):
     return max(t - window + 1, 0) if window > 0 else 0
 
 
+@njit(cache=True, fastmath={"contract", "reassoc"})
+def self_attn_core_block_dots(x, y, out, b, h, t0, window):
+    # out[b, h, t, j] = x[b, t, h] · y[b, j, h // G] for the rows t0 <= t < t0 + 4 (fewer at the
+    # end) and every j of their windows. x is (B, T, H, 256) and y (B, T, 1, 256), both C-contiguous;
+    # out is (B, 4, T, T). A full block of 4 rows is computed against whole blocks of 4 columns from
+    # the first row's window start to the last row, so a few entries before a row's start or after
+    # its diagonal are computed too: the callers overwrite them with 0. Each sum starts at its
+    # d = 0 product, which gives it the arrays' dtype without a literal.
+    n_tokens = x.shape[1]
+    g = h // SELF_ATTN_CORE_GROUP
+    if t0 + 4 <= n_tokens:
+        x0, x1, x2, x3 = x[b, t0, h], x[b, t0 + 1, h], x[b, t0 + 2, h], x[b, t0 + 3, h]
+        out0, out1, out2, out3 = (
+            out[b, h, t0],
+            out[b, h, t0 + 1],
+            out[b, h, t0 + 2],
+            out[b, h, t0 + 3],
+        )
+        for j in range(self_attn_core_window_start(t0, window) // 4 * 4, t0 + 4, 4):
+            y0, y1, y2, y3 = y[b, j, g], y[b, j + 1, g], y[b, j + 2, g], y[b, j + 3, g]
+            s00, s01, s02, s03 = x0[0] * y0[0], x0[0] * y1[0], x0[0] * y2[0], x0[0] * y3[0]
+            s10, s11, s12, s13 = x1[0] * y0[0], x1[0] * y1[0], x1[0] * y2[0], x1[0] * y3[0]
+            s20, s21, s22, s23 = x2[0] * y0[0], x2[0] * y1[0], x2[0] * y2[0], x2[0] * y3[0]
+            s30, s31, s32, s33 = x3[0] * y0[0], x3[0] * y1[0], x3[0] * y2[0], x3[0] * y3[0]
+            for d in range(1, SELF_ATTN_CORE_HEAD_DIM):
+                u0, u1, u2, u3 = y0[d], y1[d], y2[d], y3[d]
+                v = x0[d]
+                s00 += v * u0
+                s01 += v * u1
+                s02 += v * u2
+                s03 += v * u3
+                v = x1[d]
+                s10 += v * u0
+                s11 += v * u1
+                s12 += v * u2
+                s13 += v * u3
+                v = x2[d]
+                s20 += v * u0
+                s21 += v * u1
+                s22 += v * u2
+                s23 += v * u3
+                v = x3[d]
+                s30 += v * u0
+                s31 += v * u1
+                s32 += v * u2
+                s33 += v * u3
+            out0[j], out0[j + 1], out0[j + 2], out0[j + 3] = s00, s01, s02, s03
+            out1[j], out1[j + 1], out1[j + 2], out1[j + 3] = s10, s11, s12, s13
+            out2[j], out2[j + 1], out2[j + 2], out2[j + 3] = s20, s21, s22, s23
+            out3[j], out3[j + 1], out3[j + 2], out3[j + 3] = s30, s31, s32, s33
+    else:  # the last T % 4 rows, one at a time
+        for t in range(t0, n_tokens):
+            xt, out_t = x[b, t, h], out[b, h, t]
+            for j in range(self_attn_core_window_start(t, window), t + 1):
+                yj = y[b, j, g]
+                s = xt[0] * yj[0]
+                for d in range(1, SELF_ATTN_CORE_HEAD_DIM):
+                    s += xt[d] * yj[d]
+                out_t[j] = s
+
+
+@njit(cache=True)
+def self_attn_core_clear_outside_window(row, start, t):
+    # row[j] = 0 for j < start and j > t: the entries outside row t's window, which the blocks of 4
+    # may have computed and the weighted sums read as weights
+    for j in range(start):
+        row[j] = 0.0
+    for j in range(t + 1, row.shape[0]):
+        row[j] = 0.0
+
+
 @njit(cache=True, parallel=True)
-def self_attn_core_softmax_forward_kernel(scores, scale, att, lanes, window):
-    # scores is (B, 1, G*T, T) = Q Kᵀ unscaled, att is (B, 4, T, T). Per row (b, h, t):
-    # att[t, j] = softmax over start <= j <= t of scale s[t, j] (start = self_attn_core_window_start(t, window)),
-    # 0 elsewhere (the full product computed those scores too; they are ignored here). exp in the
-    # input's dtype, the row sum in float64. lanes is (B * 4 * T, MAX_LANES) scratch for the row max.
-    n_batch, n_tokens = att.shape[0], att.shape[2]
-    for row in prange(n_batch * SELF_ATTN_CORE_N_HEADS * n_tokens):
-        b = row // (SELF_ATTN_CORE_N_HEADS * n_tokens)
-        h = (row // n_tokens) % SELF_ATTN_CORE_N_HEADS
-        t = row % n_tokens
-        start = self_attn_core_window_start(t, window)
-        width = t + 1 - start
-        # s and a are the window's columns, indexed from 0 (so the loops vectorize as without one)
-        s = scores[
-            b, h // SELF_ATTN_CORE_GROUP, (h % SELF_ATTN_CORE_GROUP) * n_tokens + t, start : t + 1
-        ]
-        a_row = att[b, h, t]
-        a = a_row[start : t + 1]
-        row_max = max_value(s, lanes[row])
-        for j in range(width):
-            a[j] = exp_vectorizable((s[j] - row_max) * scale)
-        inv_total = 1.0 / sum_float64(a)
-        for j in range(width):
-            a[j] *= inv_total
-        for j in range(start):
-            a_row[j] = 0.0
-        for j in range(t + 1, n_tokens):
-            a_row[j] = 0.0
+def self_attn_core_probs_kernel(q, k, scale, att, lanes, window):
+    # att[b, h, t, j] = softmax over start <= j <= t of scale q[b, t, h] · k[b, j, h // G]
+    # (start = self_attn_core_window_start(t, window)), 0 elsewhere. q is (B, T, 4, 256), k (B, T, 1, 256),
+    # att (B, 4, T, T). The scores are written into att, then each row of the block is turned into its
+    # softmax in place: exp in the input's dtype, the row sum in float64. lanes is
+    # (B * 4 * T, MAX_LANES) scratch for the row max.
+    n_batch, n_tokens = q.shape[0], q.shape[1]
+    n_blocks = (n_tokens + 3) // 4
+    for item in prange(n_batch * SELF_ATTN_CORE_N_HEADS * n_blocks):
+        b = item // (SELF_ATTN_CORE_N_HEADS * n_blocks)
+        h = (item // n_blocks) % SELF_ATTN_CORE_N_HEADS
+        t0 = 4 * (item % n_blocks)
+        self_attn_core_block_dots(q, k, att, b, h, t0, window)
+        for t in range(t0, min(t0 + 4, n_tokens)):
+            start = self_attn_core_window_start(t, window)
+            a_row = att[b, h, t]
+            a = a_row[
+                start : t + 1
+            ]  # the window's columns, indexed from 0 (so the loops vectorize)
+            row_max = max_value(a, lanes[(b * SELF_ATTN_CORE_N_HEADS + h) * n_tokens + t])
+            for j in range(t + 1 - start):
+                a[j] = exp_vectorizable((a[j] - row_max) * scale)
+            inv_total = 1.0 / sum_float64(a)
+            for j in range(t + 1 - start):
+                a[j] *= inv_total
+            self_attn_core_clear_outside_window(a_row, start, t)
+
+
+@njit(cache=True, parallel=True)
+def self_attn_core_grad_scores_kernel(dout, v, att, scale, grad, window):
+    # grad[b, h, t, j] = dS = scale P ⊙ (dP - rowsum(P ⊙ dP)) with dP[t, j] = dout[b, t, h] · v[b, j, h // G]
+    # over the window start <= j <= t (the row sum in float64), 0 outside it. dout is (B, T, 4, 256),
+    # v (B, T, 1, 256), att (P) and grad (B, 4, T, T).
+    n_batch, n_tokens = dout.shape[0], dout.shape[1]
+    n_blocks = (n_tokens + 3) // 4
+    for item in prange(n_batch * SELF_ATTN_CORE_N_HEADS * n_blocks):
+        b = item // (SELF_ATTN_CORE_N_HEADS * n_blocks)
+        h = (item // n_blocks) % SELF_ATTN_CORE_N_HEADS
+        t0 = 4 * (item % n_blocks)
+        self_attn_core_block_dots(dout, v, grad, b, h, t0, window)
+        for t in range(t0, min(t0 + 4, n_tokens)):
+            start = self_attn_core_window_start(t, window)
+            d_row = grad[b, h, t]
+            a, d = att[b, h, t, start : t + 1], d_row[start : t + 1]  # the window's columns
+            row_dot = dot_float64(a, d)
+            for j in range(t + 1 - start):
+                d[j] = a[j] * (d[j] - row_dot) * scale
+            self_attn_core_clear_outside_window(d_row, start, t)
+
+
+@njit(cache=True, parallel=True, fastmath={"contract", "reassoc"})
+def self_attn_core_weighted_rows_kernel(weights, y, out, window):
+    # out[b, t, h] = sum over j of weights[b, h, t, j] y[b, j, h // G], j from t's window start to t
+    # in order; weights is (B, 4, T, T) and 0 outside the windows, y is (B, T, 1, 256), out
+    # (B, T, 4, 256), overwritten. 4 rows of out at a time, so a row of y read feeds 4 of them;
+    # the block's columns run from its first row's window start to its last row (the weights the
+    # other rows have there are 0). Each sum starts at its first product: no literal.
+    n_batch, n_tokens = weights.shape[0], weights.shape[2]
+    n_blocks = (n_tokens + 3) // 4
+    for item in prange(n_batch * SELF_ATTN_CORE_N_HEADS * n_blocks):
+        b = item // (SELF_ATTN_CORE_N_HEADS * n_blocks)
+        h = (item // n_blocks) % SELF_ATTN_CORE_N_HEADS
+        g = h // SELF_ATTN_CORE_GROUP
+        t0 = 4 * (item % n_blocks)
+        if t0 + 4 <= n_tokens:
+            o0, o1, o2, o3 = out[b, t0, h], out[b, t0 + 1, h], out[b, t0 + 2, h], out[b, t0 + 3, h]
+            w0, w1, w2, w3 = (
+                weights[b, h, t0],
+                weights[b, h, t0 + 1],
+                weights[b, h, t0 + 2],
+                weights[b, h, t0 + 3],
+            )
+            j0 = self_attn_core_window_start(t0, window)
+            yj = y[b, j0, g]
+            p0, p1, p2, p3 = w0[j0], w1[j0], w2[j0], w3[j0]
+            for d in range(SELF_ATTN_CORE_HEAD_DIM):
+                o0[d] = p0 * yj[d]
+                o1[d] = p1 * yj[d]
+                o2[d] = p2 * yj[d]
+                o3[d] = p3 * yj[d]
+            for j in range(j0 + 1, t0 + 4):
+                yj = y[b, j, g]
+                p0, p1, p2, p3 = w0[j], w1[j], w2[j], w3[j]
+                for d in range(SELF_ATTN_CORE_HEAD_DIM):
+                    u = yj[d]
+                    o0[d] += p0 * u
+                    o1[d] += p1 * u
+                    o2[d] += p2 * u
+                    o3[d] += p3 * u
+        else:  # the last T % 4 rows, one at a time
+            for t in range(t0, n_tokens):
+                ot, wt = out[b, t, h], weights[b, h, t]
+                j0 = self_attn_core_window_start(t, window)
+                yj = y[b, j0, g]
+                for d in range(SELF_ATTN_CORE_HEAD_DIM):
+                    ot[d] = wt[j0] * yj[d]
+                for j in range(j0 + 1, t + 1):
+                    yj = y[b, j, g]
+                    for d in range(SELF_ATTN_CORE_HEAD_DIM):
+                        ot[d] += wt[j] * yj[d]
+
+
+@njit(cache=True, parallel=True, fastmath={"contract", "reassoc"})
+def self_attn_core_weighted_columns_kernel(weights, x, out, window):
+    # out[b, j, g] = sum over the group's heads h = g G + i (i in order) and the rows t whose window
+    # holds j (t in order) of weights[b, h, t, j] x[b, t, h]: the transposed product, summed over the
+    # group. weights is (B, 4, T, T) and 0 outside the windows, x is (B, T, 4, 256), out
+    # (B, T, 1, 256), overwritten. 4 columns j0..j0+3 at a time, so a row of x read feeds 4 of
+    # them; the rows run from j0 (the weights above the diagonal are 0) to the last row whose window
+    # holds j0 + 3.
+    n_batch, n_tokens = weights.shape[0], weights.shape[2]
+    n_blocks = (n_tokens + 3) // 4
+    for item in prange(n_batch * SELF_ATTN_CORE_N_KV_HEADS * n_blocks):
+        b = item // (SELF_ATTN_CORE_N_KV_HEADS * n_blocks)
+        g = (item // n_blocks) % SELF_ATTN_CORE_N_KV_HEADS
+        j0 = 4 * (item % n_blocks)
+        j1 = min(j0 + 4, n_tokens)
+        # t attends to j when t - window < j: the rows from j1 - 1 + window on see none of the block
+        t_end = n_tokens if window == 0 else min(n_tokens, j1 - 1 + window)
+        h0 = g * SELF_ATTN_CORE_GROUP
+        if j1 - j0 == 4:
+            o0, o1, o2, o3 = out[b, j0, g], out[b, j0 + 1, g], out[b, j0 + 2, g], out[b, j0 + 3, g]
+            w = weights[b, h0, j0]
+            xt = x[b, j0, h0]
+            for d in range(SELF_ATTN_CORE_HEAD_DIM):
+                o0[d] = w[j0] * xt[d]
+                o1[d] = w[j0 + 1] * xt[d]
+                o2[d] = w[j0 + 2] * xt[d]
+                o3[d] = w[j0 + 3] * xt[d]
+            for i in range(SELF_ATTN_CORE_GROUP):
+                h = h0 + i
+                for t in range(j0 + 1 if i == 0 else j0, t_end):
+                    w = weights[b, h, t]
+                    xt = x[b, t, h]
+                    p0, p1, p2, p3 = w[j0], w[j0 + 1], w[j0 + 2], w[j0 + 3]
+                    for d in range(SELF_ATTN_CORE_HEAD_DIM):
+                        u = xt[d]
+                        o0[d] += p0 * u
+                        o1[d] += p1 * u
+                        o2[d] += p2 * u
+                        o3[d] += p3 * u
+        else:  # the last T % 4 columns, one at a time
+            for j in range(j0, j1):
+                oj = out[b, j, g]
+                xt = x[b, j, h0]
+                for d in range(SELF_ATTN_CORE_HEAD_DIM):
+                    oj[d] = weights[b, h0, j, j] * xt[d]
+                for i in range(SELF_ATTN_CORE_GROUP):
+                    h = h0 + i
+                    for t in range(j + 1 if i == 0 else j, t_end):
+                        p = weights[b, h, t, j]
+                        xt = x[b, t, h]
+                        for d in range(SELF_ATTN_CORE_HEAD_DIM):
+                            oj[d] += p * xt[d]
 
 
 def self_attn_core_forward(q, k, v, att, out, window):
@@ -437,84 +639,52 @@ def self_attn_core_forward(q, k, v, att, out, window):
     # out is (B, T, 4 * 256); window: 0 (global) or W > 0 (sliding, t - W < j <= t).
     # S = Q Kᵀ, P = softmax(scale S) causal, O = P V (the backward names the Lean laws of each product).
     n_batch, n_tokens = q.shape[0], q.shape[1]
-    heads, rows, scores, lanes = self_attn_core_scratch(n_batch, n_tokens, q.dtype)
-    np.copyto(self_attn_core_head_major(heads, n_batch, n_tokens), q.transpose(0, 2, 1, 3))
-    # S = Q Kᵀ: (G*T, 256) (256, T) per (b, kv head)
-    np.matmul(heads, k.transpose(0, 2, 3, 1), out=scores)
-    self_attn_core_softmax_forward_kernel(
-        scores, att.dtype.type(SELF_ATTN_CORE_SCALE), att, lanes, window
+    queries, keys, values, head_rows, _, _, _, lanes = self_attn_core_scratch(
+        n_batch, n_tokens, q.dtype
     )
-    # O = P V: (G*T, T) (T, 256) per (b, kv head); att is read through a (G*T, T) view
-    probs = att.reshape(
-        n_batch, SELF_ATTN_CORE_N_KV_HEADS, SELF_ATTN_CORE_GROUP * n_tokens, n_tokens
+    np.copyto(queries, q)
+    np.copyto(keys, k)
+    np.copyto(values, v)
+    self_attn_core_probs_kernel(
+        queries, keys, att.dtype.type(SELF_ATTN_CORE_SCALE), att, lanes, window
     )
-    np.matmul(probs, v.transpose(0, 2, 1, 3), out=rows)
-    np.copyto(
-        self_attn_core_split_heads(out).transpose(0, 2, 1, 3),
-        self_attn_core_head_major(rows, n_batch, n_tokens),
-    )
-
-
-@njit(cache=True, parallel=True)
-def self_attn_core_softmax_backward_kernel(probs, scale, grad, window):
-    # probs (P) and grad are (B, 1, G*T, T); grad holds dP and is overwritten with
-    # dS = scale P ⊙ (dP - rowsum(P ⊙ dP)), the row sum over the window start <= j <= t in float64,
-    # and 0 outside it.
-    n_batch, n_rows, n_tokens = probs.shape[0], probs.shape[2], probs.shape[3]
-    for row in prange(n_batch * SELF_ATTN_CORE_N_KV_HEADS * n_rows):
-        b = row // (SELF_ATTN_CORE_N_KV_HEADS * n_rows)
-        g = (row // n_rows) % SELF_ATTN_CORE_N_KV_HEADS
-        r = row % n_rows
-        t = r % n_tokens
-        start = self_attn_core_window_start(t, window)
-        d_row = grad[b, g, r]
-        a, d = probs[b, g, r, start : t + 1], d_row[start : t + 1]  # the window's columns
-        row_dot = dot_float64(a, d)
-        for j in range(t + 1 - start):
-            d[j] = a[j] * (d[j] - row_dot) * scale
-        for j in range(start):
-            d_row[j] = 0.0
-        for j in range(t + 1, n_tokens):
-            d_row[j] = 0.0
+    self_attn_core_weighted_rows_kernel(att, values, head_rows, window)
+    np.copyto(self_attn_core_split_heads(out), head_rows)
 
 
 def self_attn_core_backward(q, k, v, att, dout, dq, dk, dv, window):
     # in the forward pass this was:
     #   S = Q Kᵀ;  P = softmax(scale S) causal, within the window;  O = P V
-    #   (per (b, kv head), the group's heads as rows)
-    # so now we have:
+    # so now we have, per batch and head (dV and dK summed over the 4 heads that share a kv head):
     #   dP = dO Vᵀ                                Lean law matmul_adjoint_left  (dA = G Bᵀ)
     #   dV = Pᵀ dO                                Lean law matmul_adjoint_right (dB = Aᵀ G)
     #   dS = scale P ⊙ (dP - rowsum(P ⊙ dP))      softmax: no Lean law,
     #                                             numerics checked against PyTorch and finite differences
     #   dQ = dS K                                 Lean law matmul_adjoint_left
     #   dK = dSᵀ Q                                Lean law matmul_adjoint_right
-    # Stacking the group's heads as rows makes the sums over the group part of one product, so dV and
-    # dK are one (T, G*T) (G*T, 256) product per (b, kv head). dq, dk, dv are overwritten.
-    # q, dq are (B, T, 4, 256), k, v, dk, dv are (B, T, 1, 256),
+    # dq, dk, dv are overwritten. q, dq are (B, T, 4, 256), k, v, dk, dv are (B, T, 1, 256),
     # att is (B, 4, T, T), dout is (B, T, 4 * 256).
     n_batch, n_tokens = q.shape[0], q.shape[1]
-    heads, rows, grad, _ = self_attn_core_scratch(n_batch, n_tokens, q.dtype)
-    probs = att.reshape(
-        n_batch, SELF_ATTN_CORE_N_KV_HEADS, SELF_ATTN_CORE_GROUP * n_tokens, n_tokens
+    queries, keys, values, head_rows, key_rows, value_rows, grad, _ = self_attn_core_scratch(
+        n_batch, n_tokens, q.dtype
     )
-    np.copyto(
-        self_attn_core_head_major(rows, n_batch, n_tokens),
-        self_attn_core_split_heads(dout).transpose(0, 2, 1, 3),
+    np.copyto(queries, q)
+    np.copyto(keys, k)
+    np.copyto(values, v)
+    np.copyto(head_rows, self_attn_core_split_heads(dout))
+    # dP = dO Vᵀ (matmul_adjoint_left), then dS in place
+    self_attn_core_grad_scores_kernel(
+        head_rows, values, att, att.dtype.type(SELF_ATTN_CORE_SCALE), grad, window
     )
-    # dP = dO Vᵀ (matmul_adjoint_left)
-    np.matmul(rows, v.transpose(0, 2, 3, 1), out=grad)
-    # dV = Pᵀ dO (matmul_adjoint_right), summed over the group inside the product
-    np.matmul(probs.transpose(0, 1, 3, 2), rows, out=dv.transpose(0, 2, 1, 3))
-    self_attn_core_softmax_backward_kernel(
-        probs, att.dtype.type(SELF_ATTN_CORE_SCALE), grad, window
-    )
-    # dQ = dS K (matmul_adjoint_left)
-    np.matmul(grad, k.transpose(0, 2, 1, 3), out=rows)
-    np.copyto(dq.transpose(0, 2, 1, 3), self_attn_core_head_major(rows, n_batch, n_tokens))
-    # dK = dSᵀ Q (matmul_adjoint_right), summed over the group inside the product
-    np.copyto(self_attn_core_head_major(heads, n_batch, n_tokens), q.transpose(0, 2, 1, 3))
-    np.matmul(grad.transpose(0, 1, 3, 2), heads, out=dk.transpose(0, 2, 1, 3))
+    # dV = Pᵀ dO (matmul_adjoint_right)
+    self_attn_core_weighted_columns_kernel(att, head_rows, value_rows, window)
+    # dQ = dS K (matmul_adjoint_left); head_rows held dO until here
+    self_attn_core_weighted_rows_kernel(grad, keys, head_rows, window)
+    # dK = dSᵀ Q (matmul_adjoint_right)
+    self_attn_core_weighted_columns_kernel(grad, queries, key_rows, window)
+    np.copyto(dq, head_rows)
+    np.copyto(dk, key_rows)
+    np.copyto(dv, value_rows)
 
 
 @njit(cache=True, parallel=True, fastmath={"contract", "reassoc"})
