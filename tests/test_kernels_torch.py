@@ -346,8 +346,11 @@ def torch_attention(q, k_, v, scale, window):
 
 # (B, T, window): global (0), windows shorter than T (1 is attention to itself only), equal to T
 # and longer than T (both the global result)
+# The kernels work in blocks of 4 rows and 4 columns: the cases cover every remainder of T by 4,
+# windows that start inside a block and on its edge, and windows wider than T.
 ATTENTION_CASES = [(1, 1, 0), (2, 5, 0), (1, 17, 0), (2, 5, 3), (1, 17, 1), (1, 17, 4),
-                   (1, 17, 17), (2, 5, 9)]
+                   (1, 17, 17), (2, 5, 9), (1, 16, 0), (2, 14, 6), (1, 19, 5), (1, 12, 4),
+                   (2, 23, 7)]
 
 
 def attention_inputs(rng, b, seq, dtype):
@@ -405,6 +408,28 @@ def test_attention(k, dtype, b, seq, window, prefix):
     q_last = np.ascontiguousarray(q[:, -1:])
     getattr(k, f"{prefix}_decode")(q_last, cache_k, cache_v, seq - first, dec)
     np.testing.assert_allclose(dec[:, 0], out[:, -1], **tol(dtype, "attention"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [0, 6])
+def test_attention_on_views_of_fused_rows(k, dtype, window):
+    # the generated model passes q, k, v (and dq, dk, dv) as head slices of one fused qkv array:
+    # the results must be those of contiguous arrays, bit for bit, and every gradient written
+    b, seq = 2, 14
+    rng = np.random.default_rng(7)
+    qkv = rand(rng, (b, seq, H + 2 * KV, HD), dtype)
+    q, kk, v = qkv[:, :, :H], qkv[:, :, H : H + KV], qkv[:, :, H + KV :]
+    dout = rand(rng, (b, seq, H * HD), dtype)
+    att = np.full((b, H, seq, seq), np.nan, dtype)
+    out = np.full((b, seq, H * HD), np.nan, dtype)
+    dqkv = np.full_like(qkv, np.nan)
+    dq, dk, dv = dqkv[:, :, :H], dqkv[:, :, H : H + KV], dqkv[:, :, H + KV :]
+    k.attn_forward(q, kk, v, att, out, window)
+    k.attn_backward(q, kk, v, att, dout, dq, dk, dv, window)
+    contiguous = [np.ascontiguousarray(a) for a in (q, kk, v, dout)]
+    expected = run_attention(k, "attn", *contiguous, window)
+    for ours, theirs in zip((att, out, dq, dk, dv), expected):
+        np.testing.assert_array_equal(ours, theirs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
