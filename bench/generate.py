@@ -10,15 +10,16 @@ prompt length over the time to the first logits; decode tokens/s counts the toke
 Each system runs in a process of its own, started from the environment this script was started
 with (pyml puts its thread-pool policy in force itself; PyTorch's OpenMP threads, spinning after
 each of its calls, would otherwise starve pyml's kernels), once to warm up, then `--repeats` times;
-medians are reported, with each process's peak resident memory. pyml runs twice: float32, and
+medians are reported, with each process's peak resident memory. pyml runs three times: float32;
 with `pyml generate`'s default `--weights as-stored`, the fused decode step on the GGUF's own
-blocks (the row names their formats). llama.cpp runs when
+blocks (the row names their formats); and the same with `--activations q8_0`, the activations
+rounded to int8 as llama.cpp rounds them. llama.cpp runs when
 `llama-cpp-python` is importable (`make bench-llamacpp` installs it), twice (`llamacpp_model` says
 why): with its defaults, the prompt one token at a time, and without its extra buffer types, the
 prompt in one batch; on all cores, its KV cache cleared before every run so that its prefill is
-measured. pyml's tokens, in both rows, must equal
-transformers' (the benchmark fails otherwise); llama.cpp's are reported as the number of leading tokens that
-equal transformers' (its integer dot products round differently).
+measured. pyml's tokens, in its float32 and as-stored rows, must equal
+transformers' (the benchmark fails otherwise); for the rows that round activations to int8 (pyml's
+q8_0 and llama.cpp's) the table reports how many leading tokens equal transformers'.
 
     python bench/generate.py [--model smollm2|gemma3] [--new-tokens 64] [--repeats 3]
 
@@ -51,6 +52,7 @@ RESULTS = ROOT / "bench" / "results"
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 SYSTEMS = {"ours": "pyml (float32, Numba CPU)",
            "ours_quantized": "pyml (fused decode step, weights as stored: {formats}; Numba CPU)",
+           "ours_int8": "pyml (fused decode step, --activations q8_0: {formats}; Numba CPU)",
            "transformers": "transformers (PyTorch eager)",
            "llamacpp": "llama.cpp (llama-cpp-python defaults, the GGUF as shipped; prompt one token at a time)",
            "llamacpp_batched": "llama.cpp (llama-cpp-python, extra buffer types off; prompt in one batch)"}
@@ -151,12 +153,13 @@ def run_system(system: str, model_name: str, new_tokens: int, repeats: int) -> d
     chat = model_name == "smollm2"  # Gemma 3 270M has no chat template
     ids = generation.prompt_ids(model_dir, tokenizer, PROMPT, chat=chat)
     formats = None
-    if system in ("ours", "ours_quantized"):
+    if system in ("ours", "ours_quantized", "ours_int8"):
         spec = ROOT / "specs" / f"{bench_model.spec}.toml"
         if system == "ours":
             model = generation.load_model(model_dir, spec)
-        else:  # pyml generate's default: --weights as-stored
-            model = generation.load_decoder(model_dir, spec)
+        else:  # pyml generate's default, --weights as-stored, with or without int8 activations
+            activations = "q8_0" if system == "ours_int8" else "f32"
+            model = generation.load_decoder(model_dir, spec, activations=activations)
             formats = model.describe_formats()
         stop = generation.eos_ids(model_dir)
         run = lambda: ours_run(model, ids, new_tokens, stop)  # noqa: E731
@@ -213,7 +216,7 @@ def main() -> None:
         print(json.dumps(run_system(args.system, args.model, args.new_tokens, args.repeats)))
         return
 
-    systems = ["ours", "ours_quantized", "transformers"]
+    systems = ["ours", "ours_quantized", "ours_int8", "transformers"]
     if importlib.util.find_spec("llama_cpp"):
         systems += ["llamacpp", "llamacpp_batched"]
     results = {}
@@ -240,7 +243,7 @@ def main() -> None:
     title = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "Gemma 3 270M"}[args.model]
     lines = [f"{title} generation, greedy with a KV cache, {report['date']}: "
              f"{report['prompt_tokens']} prompt tokens, {report['new_tokens']} new tokens, "
-             f"pyml's tokens (both rows) identical to transformers': {same}.",
+             f"pyml's tokens (float32 and as-stored rows) identical to transformers': {same}.",
              "", "| system | prefill tokens/s | decode tokens/s | peak RSS MiB | leading tokens equal to transformers' |",
              "| --- | --- | --- | --- | --- |"]
     for result in report["systems"].values():

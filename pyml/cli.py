@@ -160,18 +160,19 @@ def generate(
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     adapter: Annotated[Path | None, typer.Option(help="A LoRA checkpoint (or peft adapter folder) of --model, folded into its weights in memory as `pyml merge-lora` folds it.")] = None,
     weights: Annotated[str, typer.Option(help="The linear maps' weights while decoding: as-stored (as the GGUF the folder was imported from stores them; float32 for a folder without one), q8_0, q4_0 or q4_1 (quantized from the float32 weights), or f32. Quantized weights run the fused decode step, on the CPU.")] = "as-stored",
+    activations: Annotated[str, typer.Option(help="What quantized weights multiply: f32, or q8_0 (rounded to int8 per 32 values as llama.cpp does: faster, less exact, so tokens may differ). Q4_0, Q4_1 and Q8_0 weights only.")] = "f32",
 ) -> None:
     """Generate text with the generated package of the folder's spec (gen/<name>/) and a KV cache,
     streaming tokens as they come."""
     from pyml.runtime import generate as generation
     from pyml.runtime.quantized_decoding import QuantizedDecoder, check_weights
 
-    check_weights(weights)
+    check_weights(weights, activations)
     if temperature < 0 or not 0 < top_p <= 1:
         raise PymlError("--temperature must be >= 0 and --top-p in (0, 1]")
     tokenizer = generation.load_tokenizer(model)
     ids = generation.prompt_ids(model, tokenizer, prompt, chat)  # before the slow part: the weights
-    loaded = generation.load_decoder(model, spec, device, weights, adapter)
+    loaded = generation.load_decoder(model, spec, device, weights, adapter, activations)
     result = generation.generate(loaded, tokenizer, ids, max_new_tokens, generation.eos_ids(model),
                                  temperature, top_p, seed)
     print()

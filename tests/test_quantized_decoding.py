@@ -2,7 +2,11 @@
 
 - `linear_row`, the step's linear map, equals the exact model's matVec (pyml/exact.py) bit for bit
   in every format it runs, and on layers of two formats in one stack, on small integers where
-  float32 arithmetic is exact (tests/quantized_cases.py says why).
+  float32 arithmetic is exact (tests/quantized_cases.py says why); on int8 activations too
+  (--activations q8_0), with integers up to 127 that the rounding keeps exactly.
+- The rounding of activations to int8 equals gguf's Q8_0 quantizer (llama.cpp's reference), and
+  the int8-activation products on real weights equal gguf's dequantized weights times the rounded
+  activations; the VNNI instruction and the generic vector code give the same bits.
 - The whole step on llama_tiny with weights quantized to Q8_0, Q4_0 or Q4_1 gives, position after
   position, the logits of a float64 numpy forward over the whole sequence on the same (dequantized)
   weights, within float32 rounding.
@@ -20,6 +24,7 @@ from quantized_cases import TYPES, exact_weights, gguf_weights
 from gen.llama_tiny import model as tiny
 from pyml import exact
 from pyml.errors import PymlError
+from pyml.package import quantized_dot
 from pyml.package.decode_cpu import DENSE, linear_row
 from pyml.runtime.gguf_quantized import BLOCKS, quantized_matrix
 from pyml.runtime.quant import GGMLType
@@ -29,6 +34,7 @@ from pyml.runtime.quantized_decoding import (
     check_weights,
     kept_arrays,
     weight_tuple,
+    with_int8_activations,
 )
 from pyml.spec import load_spec
 
@@ -44,13 +50,13 @@ def test_linear_row_equals_the_exact_mat_vec(ggml):
     rows, columns = 5, 2 * (BLOCKS[ggml][0] if ggml else 32)
     if ggml is None:
         weights = rng.integers(-8, 9, (rows, columns))
-        weight = weight_tuple([DENSE], [{"dense": weights.astype(np.float32)}], rows)
+        weight = weight_tuple([DENSE], [{"dense": weights.astype(np.float32)}], rows, columns)
     else:
         raw, weights = exact_weights(ggml, rows, columns, rng)
         assert np.array_equal(gguf_weights(raw, ggml, rows, columns), weights)  # the encoder is right
         ggml_type = GGMLType(int(ggml))
         arrays = quantized_matrix(raw, ggml, (rows, columns)).arrays
-        weight = weight_tuple([STEP_KINDS[ggml_type]], [kept_arrays(ggml_type, arrays)], rows)
+        weight = weight_tuple([STEP_KINDS[ggml_type]], [kept_arrays(ggml_type, arrays)], rows, columns)
     x = rng.integers(-8, 9, (1, columns))
     y = np.full((1, rows), np.nan, np.float32)
     linear_row(weight, 0, x.astype(np.float32), y)
@@ -70,13 +76,148 @@ def test_layers_of_two_kinds_share_one_stack():
         layers.append(kept_arrays(ggml_type, quantized_matrix(raw, ggml, (rows, columns)).arrays))
         matrices.append(weights)
         kinds.append(STEP_KINDS[ggml_type])
-    weight = weight_tuple(kinds, layers, rows)
+    weight = weight_tuple(kinds, layers, rows, columns)
     x = rng.integers(-8, 9, (1, columns))
     for layer, weights in enumerate(matrices):
         y = np.full((1, rows), np.nan, np.float32)
         linear_row(weight, layer, x.astype(np.float32), y)
         expected = exact.mat_vec(weights.astype(np.int64).tolist(), x[0].tolist())
         assert np.array_equal(y[0], np.array(expected, dtype=np.float64))
+
+
+INT8_TYPES = (GGML.Q8_0, GGML.Q4_0, GGML.Q4_1)  # the formats --activations q8_0 runs
+
+
+def step_weight(raw, ggml, rows, columns, int8_activations):
+    ggml_type = GGMLType(int(ggml))
+    arrays = kept_arrays(ggml_type, quantized_matrix(raw, ggml, (rows, columns)).arrays)
+    weight = weight_tuple([STEP_KINDS[ggml_type]], [arrays], rows, columns)
+    return with_int8_activations(weight) if int8_activations else weight
+
+
+def exact_int8_input(rng, columns):
+    """Integers in [-127, 127], each block of 32 holding a +-127: rounding to int8 keeps them
+    (scale 127 / 127 = 1)."""
+    x = rng.integers(-127, 128, (1, columns))
+    x[0, ::32] = rng.choice([-127, 127], columns // 32)
+    return x
+
+
+# block counts 1 to 7: the loop's four blocks at a time, and each remainder (a pair, a lone block)
+@pytest.mark.parametrize("blocks", [1, 2, 3, 4, 5, 6, 7])
+@pytest.mark.parametrize("ggml", INT8_TYPES, ids=[t.name for t in INT8_TYPES])
+def test_int8_activation_rows_equal_the_exact_mat_vec(ggml, blocks):
+    rng = np.random.default_rng(blocks)
+    rows, columns = 6, 32 * blocks
+    raw, weights = exact_weights(ggml, rows, columns, rng)
+    weight = step_weight(raw, ggml, rows, columns, int8_activations=True)
+    x = exact_int8_input(rng, columns)
+    y = np.full((1, rows), np.nan, np.float32)
+    linear_row(weight, 0, x.astype(np.float32), y)
+    assert np.array_equal(weight[6][0], x[0])  # the rounding kept the integers
+    expected = exact.mat_vec(weights.astype(np.int64).tolist(), x[0].tolist())
+    assert np.array_equal(y[0], np.array(expected, dtype=np.float64))
+
+
+def rounded(x):
+    """round_activations_q8 of x (1, in): (values, scale, sum)."""
+    values = np.zeros(x.shape, np.int8)
+    scale, total = (np.zeros((1, x.shape[1] // 32), np.float32) for _ in range(2))
+    quantized_dot.round_activations_q8(x, 0, values, scale, total)
+    return values, scale, total
+
+
+def test_activations_round_as_gguf_quantizes_q8_0():
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(7)
+    x = rng.normal(0, 2, (1, 32 * 40)).astype(np.float32)
+    x[0, 64:96] = 0  # a block of zeros: scale 0, values 0
+    x[0, 96:128] = np.float32(0.5) * rng.integers(-9, 10, 32)  # ties at .5 of the scale's inverse
+    values, scale, total = rounded(x)
+    blocks = quantize(x, GGML.Q8_0).reshape(-1, 34)  # (float16 d, 32 int8) per block
+    assert np.array_equal(values[0], blocks[:, 2:].view(np.int8).reshape(-1))
+    assert np.array_equal(scale[0].astype(np.float16), blocks[:, :2].copy().view(np.float16)[:, 0])
+    sums = values[0].reshape(-1, 32).astype(np.int64).sum(1)
+    assert np.array_equal(total[0], scale[0] * sums.astype(np.float32))
+    assert scale[0, 2] == 0 and not values[0, 64:96].any()
+
+
+def test_a_non_finite_activation_makes_its_block_nan():
+    x = np.ones((1, 96), np.float32)
+    x[0, 40], x[0, 70] = np.nan, np.inf
+    values, scale, total = rounded(x)
+    assert scale[0, 0] == np.float32(1 / 127) and np.isnan(scale[0, 1:]).all() and np.isnan(total[0, 1:]).all()
+    raw, _ = exact_weights(GGML.Q8_0, 2, 96, np.random.default_rng(0))
+    weight = step_weight(raw, GGML.Q8_0, 2, 96, int8_activations=True)
+    y = np.zeros((1, 2), np.float32)
+    linear_row(weight, 0, x, y)
+    assert np.isnan(y).all()
+
+
+@pytest.mark.parametrize("ggml", INT8_TYPES, ids=[t.name for t in INT8_TYPES])
+def test_int8_activation_rows_on_real_weights(ggml):
+    """gguf's dequantization times the rounded activations, in float64, within the float32
+    summation bound; the float32-activation row is 100 times further from it (the rounding ran)."""
+    from quantized_cases import UNIT, real_weights
+
+    rng = np.random.default_rng(11)
+    rows, columns = 40, 32 * 23
+    raw = real_weights(ggml, rows, columns, rng)
+    x = rng.normal(0, 1, (1, columns)).astype(np.float32)
+    values, scale, _ = rounded(x)
+    x_rounded = (values.astype(np.float64).reshape(-1, 32) * scale[0][:, None]).reshape(1, -1)
+    weights = gguf_weights(raw, ggml, rows, columns).astype(np.float64)
+    expected = x_rounded @ weights.T
+    errors = {}
+    for int8_activations in (True, False):
+        y = np.full((1, rows), np.nan, np.float32)
+        linear_row(step_weight(raw, ggml, rows, columns, int8_activations), 0, x, y)
+        errors[int8_activations] = np.abs(y - expected)
+    assert (errors[True] <= columns * UNIT * (np.abs(x_rounded) @ np.abs(weights.T))).all()
+    assert errors[False].max() > 100 * errors[True].max()
+
+
+VECTOR_IR_CHOICE = """
+import numpy as np, sys
+from numba import njit
+from pyml.package import quantized_dot as qd
+@njit
+def rows(values, scale, offset, q8, q8_scale, x_values, x_scale, x_sum, out):
+    for r in range(out.shape[1]):
+        out[0, r] = qd.q4_q8_row_dot(values, scale, offset, x_values, x_scale, x_sum, r, 0)
+        out[1, r] = qd.q8_q8_row_dot(q8, q8_scale, x_values, x_scale, r, 0)
+rng = np.random.default_rng(5)
+R, C = 9, 32 * 7
+x = rng.normal(0, 1, (1, C)).astype(np.float32)
+x_values = np.zeros((1, C), np.int8); x_scale, x_sum = np.zeros((1, C // 32), np.float32), np.zeros((1, C // 32), np.float32)
+qd.round_activations_q8(x, 0, x_values, x_scale, x_sum)
+out = np.zeros((2, R), np.float32)
+rows(rng.integers(0, 256, (R, C // 2), dtype=np.uint8), rng.random((R, C // 32), dtype=np.float32),
+     rng.random((R, C // 32), dtype=np.float32), rng.integers(0, 256, (R, C), dtype=np.uint8),
+     rng.random((R, C // 32), dtype=np.float32), x_values, x_scale, x_sum, out)
+print(qd.QDOT_VNNI, out.tobytes().hex())
+"""
+
+
+def test_vnni_and_generic_vector_code_give_the_same_bits():
+    """The same products compiled for this CPU (VNNI where it has it) and for a generic x86-64."""
+    import os
+    import subprocess
+    import sys
+
+    if not quantized_dot.QDOT_VNNI:
+        pytest.skip("this CPU has no AVX-512 VNNI: the generic vector code is all that runs")
+    outputs = {}
+    for cpu in ("host", "x86-64"):
+        env = {key: value for key, value in os.environ.items() if not key.startswith("NUMBA_CPU")}
+        if cpu != "host":
+            env["NUMBA_CPU_NAME"] = cpu
+        result = subprocess.run([sys.executable, "-c", VECTOR_IR_CHOICE], env=env, capture_output=True,
+                                text=True, check=True)
+        outputs[cpu] = result.stdout.split()
+    assert outputs["host"][0] == "True" and outputs["x86-64"][0] == "False"
+    assert outputs["host"][1] == outputs["x86-64"][1]
 
 
 def reference_logits(params, ids: list[int]) -> np.ndarray:
@@ -128,6 +269,37 @@ def test_fused_step_logits_equal_a_numpy_forward(weights):
         assert np.abs(logits[0] - expected[position]).max() < 1e-5 * scale
     # the step runs its small ops on one of the pool's threads, and gives the count back
     assert numba.get_num_threads() == threads
+
+
+@pytest.mark.parametrize("weights", ["q8_0", "q4_1"])
+def test_fused_step_on_int8_activations_stays_near_the_numpy_forward(weights):
+    """--activations q8_0 on llama_tiny: within the rounding's error of the float64 forward, and
+    not the float32-activation step's logits (the rounding ran on every op)."""
+    rng = np.random.default_rng(0)
+    model = tiny.Model()
+    model.params.flat[:] = rng.normal(0, 0.3, model.params.flat.shape)
+    float_decoder = QuantizedDecoder.load(model, weights, gguf_path=None)
+    int8_decoder = QuantizedDecoder.load(model, weights, gguf_path=None, activations="q8_0")
+    assert set(int8_decoder.formats.values()) == {f"{weights.upper()} x Q8_0 activations"}
+    ids = rng.integers(0, tiny.VOCAB, 12).tolist()
+    expected = reference_logits(model.params, ids)
+    scale = np.abs(expected).max()
+    caches = [decoder.start_decoding(np.array([ids[:5]]), len(ids))[0]
+              for decoder in (float_decoder, int8_decoder)]
+    for position in range(5, len(ids)):
+        float_logits, int8_logits = (decoder.decode(cache, np.array([ids[position]]))
+                                     for decoder, cache in zip((float_decoder, int8_decoder), caches))
+        assert np.abs(int8_logits[0] - expected[position]).max() < 3e-2 * scale
+        assert np.abs(int8_logits[0] - float_logits[0]).max() > 1e-5 * scale
+
+
+@pytest.mark.parametrize("weights, activations, message", [
+    ("q4_1", "q4", "--activations must be one of f32, q8_0, not 'q4'"),
+    ("f32", "q8_0", "--activations q8_0 rounds what quantized weights multiply: it needs --weights other than f32"),
+])
+def test_activations_the_step_cannot_run_are_refused_in_one_line(weights, activations, message):
+    with pytest.raises(PymlError, match=message):
+        check_weights(weights, activations)
 
 
 def test_weights_the_fused_step_does_not_know_are_refused_in_one_line():

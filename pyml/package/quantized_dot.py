@@ -30,8 +30,11 @@ Numba's cache does not notice when a function a cached kernel calls changes in a
 generated kernel modules carry this module's hash in their first line (as for vector_math).
 """
 
+import math
+
+import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -253,3 +256,204 @@ def q6_row_dot(typingctx, low, high, scale, x, row, sample):
         return sums.total()
 
     return types.float32(low, high, scale, x, row, sample), codegen
+
+
+# --- int8 activations (`pyml generate --activations q8_0`) ----------------------------------------
+#
+# llama.cpp's CPU products round the activations too: each run of 32 values of x to int8 times a
+# float32 scale d = max |x| / 127 (its Q8_0; Q8_1 adds d * the sum of the 32 integers, which Q4_1's
+# offsets need). The dot product of a block is then an integer dot product, 32 products of a 4- or
+# 8-bit weight and an 8-bit activation summed exactly in int32, times the two blocks' scales. On an
+# AVX-512 VNNI CPU one vpdpbusd instruction does 64 of those products into 16 int32 lanes (lane j:
+# the 4 products of bytes 4j .. 4j + 3); elsewhere the same lanes come from generic vector IR. Both
+# give the same integers, and every later step is the same float32 arithmetic, so the two paths
+# give the same results bit for bit. Each lane is scaled in a float32 vector and summed across
+# blocks there: one horizontal sum per row, as in llama.cpp, instead of one per block (which, tried
+# first, was no faster than the float32 dot).
+#
+# The rounding changes the results: a product's relative error grows from float32's 1e-7 to about
+# 5e-3 (1/254 of a block's largest value per activation). So it is an option, off by default.
+
+QDOT_BYTE_LANES = 64  # bytes per integer dot: 2 blocks of 32 values
+
+
+def qdot_target_has_vnni() -> bool:
+    """Whether numba compiles for a CPU with AVX-512 VNNI (its host unless NUMBA_CPU_NAME says)."""
+    import llvmlite.binding as llvm
+    from numba.core import config
+
+    if config.CPU_NAME and not config.CPU_FEATURES:
+        return False  # a named portable target: features are the name's, assume none
+    features = config.CPU_FEATURES or llvm.get_host_cpu_features().flatten()
+    return "+avx512vnni" in features.split(",")
+
+
+QDOT_VNNI = qdot_target_has_vnni()
+
+
+def qdot_byte_dots(builder, unsigned, signed):
+    """<16 x i32>, lane j the exact sum of unsigned[4j + i] * signed[4j + i] over i < 4, of two
+    <64 x i8> (the first read as unsigned bytes, the second as signed)."""
+    lanes = qdot_vector_type(QDOT_I32, 16)
+    if QDOT_VNNI:
+        function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(lanes, [lanes] * 3),
+                                                  "llvm.x86.avx512.vpdpbusd.512")
+        return builder.call(function, [ir.Constant(lanes, [0] * 16), builder.bitcast(unsigned, lanes),
+                                       builder.bitcast(signed, lanes)])
+    sums = builder.mul(builder.zext(unsigned, qdot_vector_type(QDOT_I32, 64)),
+                       builder.sext(signed, qdot_vector_type(QDOT_I32, 64)))
+    for count in (32, 16):  # add neighbouring lanes twice: lane j holds products 4j .. 4j + 3
+        undefined = ir.Constant(sums.type, ir.Undefined)
+        even = builder.shuffle_vector(sums, undefined, ir.Constant(qdot_vector_type(QDOT_I32, count),
+                                                                    list(range(0, 2 * count, 2))))
+        odd = builder.shuffle_vector(sums, undefined, ir.Constant(qdot_vector_type(QDOT_I32, count),
+                                                                   list(range(1, 2 * count, 2))))
+        sums = builder.add(even, odd)
+    return sums
+
+
+def qdot_widen(builder, vector, lanes):
+    """A vector of 32 bytes as 64, the upper 32 zero (a row's last, unpaired block)."""
+    if vector.type.count == lanes:
+        return vector
+    zero = ir.Constant(vector.type, [0] * vector.type.count)
+    return builder.shuffle_vector(vector, zero, ir.Constant(qdot_vector_type(QDOT_I32, lanes),
+                                                            list(range(lanes))))
+
+
+def qdot_int8_row_dot(builder, n_blocks, block_bytes, weight_scale, x_scale, signed_weights, offset_term):
+    """The float32 sum over a row's blocks of (the block's integer dot) * its weight scale * its
+    activation scale, plus `offset_term(block)` per block where that is not None.
+
+    `block_bytes(first, count)` gives `count` (1 or 2) blocks from block `first`: their weights as
+    <32 * count x i8> and their int8 activations likewise. Unsigned weights (4-bit values) multiply
+    as they are; signed ones (Q8_0) as w + 128, an unsigned byte (w xor 0x80), less 128 times the
+    activations' sum, which is the same integer. Pairs of blocks fill one 16-lane vector (8 lanes a
+    block), scaled lane by lane: two chains of such vectors, summed once at the end of the row."""
+    lanes = qdot_vector_type(QDOT_F32, 16)
+    sums = [cgutils.alloca_once_value(builder, ir.Constant(lanes, [0.0] * 16)) for _ in range(2)]
+    offsets = cgutils.alloca_once_value(builder, ir.Constant(QDOT_F32, 0.0))
+
+    def add_blocks(first, count, chain):
+        weights, x = block_bytes(first, count)
+        x = qdot_widen(builder, x, QDOT_BYTE_LANES)
+        if signed_weights:
+            weights = builder.xor(weights, qdot_bytes(0x80, 32 * count))
+        integers = qdot_byte_dots(builder, qdot_widen(builder, weights, QDOT_BYTE_LANES), x)
+        if signed_weights:
+            integers = builder.sub(integers, qdot_byte_dots(builder, qdot_bytes(0x80, QDOT_BYTE_LANES), x))
+        scales = builder.fmul(qdot_load(builder, weight_scale, first, QDOT_F32, count),
+                              qdot_load(builder, x_scale, first, QDOT_F32, count))
+        spread = builder.shuffle_vector(scales, ir.Constant(scales.type, ir.Undefined),
+                                        ir.Constant(qdot_vector_type(QDOT_I32, 16), [0] * 8 + [count - 1] * 8))
+        products = builder.fmul(builder.sitofp(integers, lanes), spread)
+        builder.store(builder.fadd(builder.load(sums[chain]), products), sums[chain])
+        if offset_term is not None:
+            for index in range(count):
+                term = offset_term(builder.add(first, qdot_index(index)))
+                builder.store(builder.fadd(builder.load(offsets), term), offsets)
+
+    quads = builder.udiv(n_blocks, qdot_index(4))
+    with cgutils.for_range(builder, quads) as loop:
+        first = builder.mul(loop.index, qdot_index(4))
+        add_blocks(first, 2, 0)
+        add_blocks(builder.add(first, qdot_index(2)), 2, 1)
+    done = builder.mul(quads, qdot_index(4))
+    left = builder.sub(n_blocks, done)
+    with builder.if_then(builder.icmp_unsigned(">=", left, qdot_index(2))):
+        add_blocks(done, 2, 0)
+    with builder.if_then(builder.icmp_unsigned("==", builder.urem(left, qdot_index(2)), qdot_index(1))):
+        add_blocks(builder.sub(n_blocks, qdot_index(1)), 1, 1)
+    vector = builder.fadd(builder.load(sums[0]), builder.load(sums[1]))
+    reduce = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(QDOT_F32, [QDOT_F32, lanes]), "llvm.vector.reduce.fadd.v16f32")
+    return builder.fadd(builder.call(reduce, [ir.Constant(QDOT_F32, 0.0), vector]), builder.load(offsets))
+
+
+@intrinsic
+def q4_q8_row_dot(typingctx, values, scale, offset, x_values, x_scale, x_sum, row, sample):
+    """sum_k W[row, k] * x[sample, k], W in 4 bits in runs of 16 (Q4_0, Q4_1; as q4_row_dot_runs_of_16)
+    and x rounded to int8 per 32 values (`round_activations_q8`): values (rows, in / 2) uint8,
+    scale and offset (rows, in / 32) float32, x_values (samples, in) int8, x_scale and x_sum
+    (samples, in / 32) float32. A block's offset times its activations' sum is added per block."""
+    qdot_check(values, scale, offset, x_values, x_scale, x_sum)
+
+    def codegen(context, builder, signature, args):
+        q_row, row_bytes = qdot_row(context, builder, signature.args[0], args[0], args[6])
+        scale_row, _ = qdot_row(context, builder, signature.args[1], args[1], args[6])
+        offset_row, _ = qdot_row(context, builder, signature.args[2], args[2], args[6])
+        x_row, _ = qdot_row(context, builder, signature.args[3], args[3], args[7])
+        x_scale_row, _ = qdot_row(context, builder, signature.args[4], args[4], args[7])
+        x_sum_row, _ = qdot_row(context, builder, signature.args[5], args[5], args[7])
+
+        def block_bytes(first, count):
+            packed = qdot_load(builder, q_row, builder.mul(first, qdot_index(16)), QDOT_I8, 16 * count)
+            low = builder.and_(packed, qdot_bytes(15, 16 * count))
+            high = builder.lshr(packed, qdot_bytes(4, 16 * count))
+            # a block's 32 values in order: its 16 low nibbles, then its 16 high ones
+            order = [i + 16 * count * half + 16 * block for block in range(count) for half in range(2)
+                     for i in range(16)]
+            values = builder.shuffle_vector(low, high, ir.Constant(qdot_vector_type(QDOT_I32, 32 * count), order))
+            x = qdot_load(builder, x_row, builder.mul(first, qdot_index(32)), QDOT_I8, 32 * count)
+            return values, x
+
+        def offset_term(block):
+            return builder.fmul(qdot_scalar(builder, offset_row, block), qdot_scalar(builder, x_sum_row, block))
+
+        return qdot_int8_row_dot(builder, builder.udiv(row_bytes, qdot_index(16)), block_bytes,
+                                 scale_row, x_scale_row, False, offset_term)
+
+    return types.float32(values, scale, offset, x_values, x_scale, x_sum, row, sample), codegen
+
+
+@intrinsic
+def q8_q8_row_dot(typingctx, values, scale, x_values, x_scale, row, sample):
+    """sum_k W[row, k] * x[sample, k], W in 8 bits (Q8_0; as q8_row_dot) and x rounded to int8 per
+    32 values (`round_activations_q8`): values (rows, in) int8, scale (rows, in / 32) float32,
+    x_values (samples, in) int8, x_scale (samples, in / 32) float32."""
+    qdot_check(values, scale, x_values, x_scale)
+
+    def codegen(context, builder, signature, args):
+        q_row, row_length = qdot_row(context, builder, signature.args[0], args[0], args[4])
+        scale_row, _ = qdot_row(context, builder, signature.args[1], args[1], args[4])
+        x_row, _ = qdot_row(context, builder, signature.args[2], args[2], args[5])
+        x_scale_row, _ = qdot_row(context, builder, signature.args[3], args[3], args[5])
+
+        def block_bytes(first, count):
+            start = builder.mul(first, qdot_index(32))
+            return (qdot_load(builder, q_row, start, QDOT_I8, 32 * count),
+                    qdot_load(builder, x_row, start, QDOT_I8, 32 * count))
+
+        return qdot_int8_row_dot(builder, builder.udiv(row_length, qdot_index(32)), block_bytes,
+                                 scale_row, x_scale_row, True, None)
+
+    return types.float32(values, scale, x_values, x_scale, row, sample), codegen
+
+
+@njit
+def round_activations_q8(x, sample, x_values, x_scale, x_sum):
+    """Row `sample` of x (samples, in) float32 rounded as llama.cpp's reference quantizer
+    (quantize_row_q8_1_ref, and gguf's Q8_0) rounds it, per 32 values: scale d = max |x| / 127,
+    the integers round(x * (1 / d)) (the product in float32, rounded half away from zero), and d
+    times their sum; a block of zeros has d = 0. A block holding a NaN or an infinity gets d =
+    NaN, so that its products are NaN as they are in float32."""
+    for block in range(x.shape[1] // 32):
+        largest, finite = np.float32(0.0), np.float32(0.0)
+        for i in range(32 * block, 32 * block + 32):
+            largest = max(largest, abs(x[sample, i]))
+            finite += x[sample, i] * np.float32(0.0)  # NaN once a value is not finite
+        total = 0
+        if finite != 0:
+            d = np.float32(np.nan)
+            x_values[sample, 32 * block:32 * block + 32] = 0
+        else:
+            d = largest / np.float32(127.0)
+            inverse = np.float32(1.0) / d if d != 0 else np.float32(0.0)
+            for i in range(32 * block, 32 * block + 32):
+                # in float64, where adding the half is exact for |value| <= 127
+                value = np.float64(x[sample, i] * inverse)
+                q = np.int8(math.copysign(math.floor(abs(value) + 0.5), value))
+                x_values[sample, i] = q
+                total += q
+        x_scale[sample, block] = d
+        x_sum[sample, block] = d * np.float32(total)

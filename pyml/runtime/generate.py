@@ -104,23 +104,28 @@ def load_model(model_dir: Path, spec_path: Path | None = None, device: str = "cp
 
 
 def load_decoder(model_dir: Path, spec_path: Path | None = None, device: str = "cpu",
-                 weights: str = "as-stored", adapter: Path | None = None):
+                 weights: str = "as-stored", adapter: Path | None = None, activations: str = "f32"):
     """What `pyml generate` decodes with: the float32 model (`load_model`) for --weights f32, and
     for a folder that stores float32 only; otherwise a `QuantizedDecoder` on the weights asked for
-    (pyml/runtime/quantized_decoding.py says what each --weights means). With a LoRA `adapter`
-    folded in, the folder's GGUF no longer holds the weights: as-stored is then float32."""
+    (pyml/runtime/quantized_decoding.py says what each --weights and --activations means). With a
+    LoRA `adapter` folded in, the folder's GGUF no longer holds the weights: as-stored is then
+    float32."""
     from pyml.runtime.gguf_import import SOURCE_GGUF
     from pyml.runtime.quantized_decoding import QuantizedDecoder, check_weights
 
-    check_weights(weights)
+    check_weights(weights, activations)
     gguf_path = existing_folder(model_dir) / SOURCE_GGUF
     stored = gguf_path.is_file() and adapter is None
     if weights == "f32" or (weights == "as-stored" and not stored):
+        if activations != "f32":
+            raise PymlError(f"--activations {activations} needs quantized weights, and {model_dir} "
+                            "stores float32 only: add --weights q8_0, q4_0 or q4_1")
         return load_model(model_dir, spec_path, device, adapter)
     if device != "cpu":
         raise PymlError(f"--weights {weights} runs the fused decode step, which is CPU-only: add "
                         "--weights f32 to decode on the GPU")
-    return QuantizedDecoder.load(load_model(model_dir, spec_path, device, adapter), weights, gguf_path)
+    return QuantizedDecoder.load(load_model(model_dir, spec_path, device, adapter), weights, gguf_path,
+                                 activations)
 
 
 def load_tokenizer(model_dir: Path) -> Tokenizer:

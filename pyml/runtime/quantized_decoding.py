@@ -12,6 +12,16 @@
                reference quantizer (pyml.runtime.quantize).
     f32        the float32 package's own decoding step, unchanged.
 
+`pyml generate --activations` picks what the quantized weights multiply:
+
+    f32        the float32 activations (the default): the products are the dequantized weights
+               times x up to float32 summation order.
+    q8_0       x rounded to int8 per 32 values first, as llama.cpp's CPU products do, and each
+               block's product summed in integers (pyml/package/quantized_dot.py). Faster, and
+               less exact: a product's relative error grows to about 5e-3, and greedy tokens may
+               part from the float32 path's. Only Q4_0, Q4_1 and Q8_0 weights run it; the other
+               formats keep float32 activations.
+
 The prompt runs through the float32 package's matrix-matrix forward (prefill), whose keys and
 values seed the fused step's cache. Both run the same weights: as-stored, the folder's float32
 weights are the GGUF's dequantized (that is what import-gguf writes); quantized from float32, the
@@ -29,12 +39,24 @@ from types import ModuleType
 import numpy as np
 
 from pyml.errors import PymlError
-from pyml.package.decode_cpu import DENSE, Q4_RUNS_OF_16, Q4_RUNS_OF_32, Q5, Q6, Q8
+from pyml.package.decode_cpu import (
+    DENSE,
+    Q4_RUNS_OF_16,
+    Q4_RUNS_OF_16_X8,
+    Q4_RUNS_OF_32,
+    Q5,
+    Q6,
+    Q8,
+    Q8_X8,
+)
 from pyml.runtime.gguf_quantized import quantized_matrix
 from pyml.runtime.quant import GGMLType, dequantize
 from pyml.runtime.quantize import quantize
 
 WEIGHT_FORMATS = ("as-stored", "f32", "q8_0", "q4_0", "q4_1")
+ACTIVATION_FORMATS = ("f32", "q8_0")
+# the kinds that run on int8 activations instead, under --activations q8_0
+INT8_ACTIVATION_KINDS = {Q4_RUNS_OF_16: Q4_RUNS_OF_16_X8, Q8: Q8_X8}
 QUANTIZE_TO = {"q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0, "q4_1": GGMLType.Q4_1}
 # the fused step's kind (pyml/package/decode_cpu.py) of each type kept quantized
 STEP_KINDS = {GGMLType.Q4_0: Q4_RUNS_OF_16, GGMLType.Q4_1: Q4_RUNS_OF_16,
@@ -45,9 +67,14 @@ PACKED_PER_VALUE = {GGMLType.Q4_0: 0.5, GGMLType.Q4_1: 0.5, GGMLType.Q4_K: 0.5, 
                     GGMLType.Q6_K: 0.5, GGMLType.Q8_0: 1}
 
 
-def check_weights(weights: str) -> None:
+def check_weights(weights: str, activations: str = "f32") -> None:
     if weights not in WEIGHT_FORMATS:
         raise PymlError(f"--weights must be one of {', '.join(WEIGHT_FORMATS)}, not {weights!r}")
+    if activations not in ACTIVATION_FORMATS:
+        raise PymlError(f"--activations must be one of {', '.join(ACTIVATION_FORMATS)}, not {activations!r}")
+    if activations != "f32" and weights == "f32":
+        raise PymlError(f"--activations {activations} rounds what quantized weights multiply: "
+                        "it needs --weights other than f32")
 
 
 def decode_module(model) -> ModuleType:
@@ -62,11 +89,12 @@ def decode_module(model) -> ModuleType:
                         f"package generated before it existed needs `pyml gen`): use --weights f32") from None
 
 
-def weight_tuple(kinds: list[int], layers: list[dict[str, np.ndarray]], rows: int) -> tuple:
-    """The step's (kinds, packed, high, scale, offset, dense): the kind of each layer, and each
-    array stacked (layers, rows, width), as wide as its widest layer (pyml/package/decode_cpu.py
-    says why the padding is never read), width 0 where no layer has it. Dense rows keep the
-    model's dtype."""
+def weight_tuple(kinds: list[int], layers: list[dict[str, np.ndarray]], rows: int, columns: int) -> tuple:
+    """The step's (kinds, packed, high, scale, offset, dense, x_values, x_scale, x_sum): the kind
+    of each layer, each array stacked (layers, rows, width), as wide as its widest layer
+    (pyml/package/decode_cpu.py says why the padding is never read), width 0 where no layer has
+    it, and room for the input of `columns` values rounded to int8. Dense rows keep the model's
+    dtype."""
     arrays = []
     for name in ("packed", "high", "scale", "offset", "dense"):
         present = [layer[name] for layer in layers if name in layer]
@@ -80,14 +108,22 @@ def weight_tuple(kinds: list[int], layers: list[dict[str, np.ndarray]], rows: in
                 array = layer[name].view(np.uint8) if raw else layer[name]
                 stacked[index, :, :array.shape[1]] = array
         arrays.append(stacked)
-    return (np.array(kinds, np.int64), *arrays)
+    rounded_input = (np.zeros((1, columns), np.int8), np.zeros((1, columns // 32), np.float32),
+                     np.zeros((1, columns // 32), np.float32))
+    return (np.array(kinds, np.int64), *arrays, *rounded_input)
+
+
+def with_int8_activations(weight: tuple) -> tuple:
+    """`weight` with its Q4_0, Q4_1 and Q8_0 layers multiplying int8-rounded activations."""
+    kinds = np.array([INT8_ACTIVATION_KINDS.get(int(kind), kind) for kind in weight[0]], np.int64)
+    return (kinds, *weight[1:])
 
 
 def float_rows(param) -> tuple:
     """A weight parameter as the step's float rows: the values the folder holds, read without BLAS."""
     matrices = layer_weights(param)
     return weight_tuple([DENSE] * len(matrices), [{"dense": matrix} for matrix in matrices],
-                        matrices[0].shape[0])
+                        *matrices[0].shape)
 
 
 def float_row_weights(model, linears) -> tuple[dict[str, tuple], dict[str, str]]:
@@ -126,7 +162,7 @@ def requantized_weights(model, linears, target: GGMLType) -> tuple[dict[str, tup
             raw = quantize(weight, target).reshape(-1)
             weight[:] = dequantize(raw, target, weight.shape)
             layers.append(kept_arrays(target, quantized_matrix(raw, int(target), (rows, columns)).arrays))
-        weights[prefix] = weight_tuple([STEP_KINDS[target]] * len(layers), layers, rows)
+        weights[prefix] = weight_tuple([STEP_KINDS[target]] * len(layers), layers, rows, columns)
     return weights, {prefix: target.name for prefix in weights}
 
 
@@ -166,7 +202,7 @@ def stored_weights(model, linears, gguf_path: Path) -> tuple[dict[str, tuple], d
                 parts.append(matrix.rows(order).arrays)
             layers.append(kept_arrays(ggml_type, tuple(np.concatenate(arrays) for arrays in zip(*parts))))
         weights[prefix] = weight_tuple([STEP_KINDS[t] for t in layer_types], layers,
-                                       len(layers[0]["packed"]))
+                                       len(layers[0]["packed"]), layer_weights(param)[0].shape[1])
         formats[prefix] = "/".join(sorted({t.name for t in layer_types}))
     return weights, formats
 
@@ -190,13 +226,22 @@ class QuantizedDecoder:
         self.model, self.step, self.weights, self.formats = model, step, weights, formats
 
     @classmethod
-    def load(cls, model, weights: str, gguf_path: Path | None) -> QuantizedDecoder:
-        """`model` decoding on `weights` (a --weights value other than f32); as-stored reads
-        the GGUF at `gguf_path`."""
+    def load(cls, model, weights: str, gguf_path: Path | None, activations: str = "f32") -> QuantizedDecoder:
+        """`model` decoding on `weights` (a --weights value other than f32) times `activations`
+        (an --activations value); as-stored reads the GGUF at `gguf_path`."""
         step = decode_module(model)
         if weights == "as-stored":
-            return cls(model, step, *stored_weights(model, step.LINEARS, gguf_path))
-        return cls(model, step, *requantized_weights(model, step.LINEARS, QUANTIZE_TO[weights]))
+            kept, formats = stored_weights(model, step.LINEARS, gguf_path)
+        else:
+            kept, formats = requantized_weights(model, step.LINEARS, QUANTIZE_TO[weights])
+        if activations == "q8_0":
+            for prefix, weight in kept.items():
+                kept[prefix] = with_int8_activations(weight)
+                rounded = {int(kind) for kind in kept[prefix][0]} & set(INT8_ACTIVATION_KINDS.values())
+                if rounded:
+                    formats[prefix] += (" x Q8_0 activations" if len(rounded) == len(set(kept[prefix][0]))
+                                        else " (Q8_0 activations on its Q4_0, Q4_1 and Q8_0 layers)")
+        return cls(model, step, kept, formats)
 
     def describe_formats(self) -> str:
         """The formats the linear maps run in, e.g. "Q4_1 (4 ops), Q8_0 (lm_head)"."""
