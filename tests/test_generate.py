@@ -157,7 +157,7 @@ def test_fused_greedy_tokens_equal_the_float32_path(ours, fused, chat_ids, model
 
 def test_int8_activations_decode_near_the_float32_forward(ours, chat_ids, model_dir):
     """--activations q8_0 rounds every product's input to int8 (as llama.cpp does): the logits move
-    (by up to 1.5 here on 2026-12-02, of magnitude ~20: the error of each product, 5e-3 of it,
+    (by up to 1.9 here on 2026-12-02, of magnitude ~20: the error of each product, 5e-3 of it,
     grows over 30 layers), and the greedy answer to the question is still Paris."""
     int8 = generation.load_decoder(model_dir, SPEC, activations="q8_0")
     assert set(int8.formats.values()) == {"Q4_1 x Q8_0 activations", "Q8_0 x Q8_0 activations"}

@@ -5,11 +5,12 @@ matrix-vector products and attention only).
 
 A linear op's weights arrive as one tuple, the same types for every format, so that one compiled
 step serves any mix of formats: (kinds, packed, high, scale, offset, dense, x_values, x_scale,
-x_sum), `kinds` the kind of each layer (int64) and each weight array stacked by layer (layers,
+x_total), `kinds` the kind of each layer (int64) and each weight array stacked by layer (layers,
 rows, ...), C-contiguous; a model-level weight (the tied LM head) has one layer. The last three
 are the op's input rounded to int8 (quantized_dot.round_activations_q8: (1, in) int8, (1, in / 32)
-float32 twice), written by the kinds that round it, Q4_RUNS_OF_16_X8 and Q8_X8 (`pyml generate
---activations q8_0`): the same weights as Q4_RUNS_OF_16 and Q8, times int8 activations. Layers of different kinds share a stack when
+float32 and int32), written by the kinds that round it, Q4_RUNS_OF_16_X8 and Q8_X8 (`pyml
+generate --activations q8_0`): Q4_0/Q4_1 and Q8_0 weights repacked rows by 16 (quantized_dot.py
+gives the layout; rows padded to a multiple of 16), times int8 activations. Layers of different kinds share a stack when
 their packed values have one width (Q4_K and Q6_K: in/2): each array is as wide as its widest
 layer, and a kernel reads a row of scales or high bits from its start, so the padding past a
 layer's own width is never read.
@@ -19,8 +20,8 @@ layer's own width is never read.
     Q4_RUNS_OF_32    Q4_K nibbles, in/2         -              per 32 values             -
     Q5               Q5_0 low nibbles, in/2     fifth bits     per 32 values             -
     Q8               Q8_0 int8 bytes, in        -              scale per 32              -
-    Q4_RUNS_OF_16_X8 as Q4_RUNS_OF_16
-    Q8_X8            as Q8
+    Q4_RUNS_OF_16_X8 Q4_0 / Q4_1, rows by 16     -              per 32, rows by 16        -
+    Q8_X8            Q8_0, rows by 16           -              per 32, rows by 16        -
     Q6               Q6_K low nibbles, in/2     2-bit highs    scale per 16              -
     DENSE            -                          -              -                         float32, in
 
@@ -44,12 +45,13 @@ from numba.extending import intrinsic
 from numba.np.ufunc.parallel import _launch_threads
 
 from pyml.package.quantized_dot import (
-    q4_q8_row_dot,
+    QDOT_GROUP_ROWS,
+    q4_q8_rows_by_16,
     q4_row_dot_runs_of_16,
     q4_row_dot_runs_of_32,
     q5_row_dot,
     q6_row_dot,
-    q8_q8_row_dot,
+    q8_q8_rows_by_16,
     q8_row_dot,
     round_activations_q8,
 )
@@ -100,7 +102,7 @@ def linear_row(weight, layer, x, y):
     """y[0] = W x[0] (+ nothing: a bias is added by the caller), W layer `layer` of `weight`; x is
     (1, in), y (1, out) float32. One output row per iteration of the parallel loop; no BLAS, so no
     BLAS thread wakes up for a matrix-vector product."""
-    kinds, packed, high, scale, offset, dense, x_values, x_scale, x_sum = weight
+    kinds, packed, high, scale, offset, dense, x_values, x_scale, x_total = weight
     kind = kinds[layer]
     packed, high, scale, offset, dense = packed[layer], high[layer], scale[layer], offset[layer], dense[layer]
     rows = y.shape[1]
@@ -117,13 +119,13 @@ def linear_row(weight, layer, x, y):
         for row in prange(rows):
             y[0, row] = q8_row_dot(packed, scale, x, row, 0)
     elif kind == Q4_RUNS_OF_16_X8:
-        round_activations_q8(x, 0, x_values, x_scale, x_sum)
-        for row in prange(rows):
-            y[0, row] = q4_q8_row_dot(packed, scale, offset, x_values, x_scale, x_sum, row, 0)
+        round_activations_q8(x, x_values, x_scale, x_total)
+        for group in prange((rows + QDOT_GROUP_ROWS - 1) // QDOT_GROUP_ROWS):
+            q4_q8_rows_by_16(packed, scale, offset, x_values, x_scale, x_total, group, y)
     elif kind == Q8_X8:
-        round_activations_q8(x, 0, x_values, x_scale, x_sum)
-        for row in prange(rows):
-            y[0, row] = q8_q8_row_dot(packed, scale, x_values, x_scale, row, 0)
+        round_activations_q8(x, x_values, x_scale, x_total)
+        for group in prange((rows + QDOT_GROUP_ROWS - 1) // QDOT_GROUP_ROWS):
+            q8_q8_rows_by_16(packed, scale, x_values, x_scale, x_total, group, y)
     elif kind == Q6:
         for row in prange(rows):
             y[0, row] = q6_row_dot(packed, high, scale, x, row, 0)

@@ -49,6 +49,7 @@ from pyml.package.decode_cpu import (
     Q8,
     Q8_X8,
 )
+from pyml.package.quantized_dot import QDOT_GROUP_ROWS
 from pyml.runtime.gguf_quantized import quantized_matrix
 from pyml.runtime.quant import GGMLType, dequantize
 from pyml.runtime.quantize import quantize
@@ -109,14 +110,51 @@ def weight_tuple(kinds: list[int], layers: list[dict[str, np.ndarray]], rows: in
                 stacked[index, :, :array.shape[1]] = array
         arrays.append(stacked)
     rounded_input = (np.zeros((1, columns), np.int8), np.zeros((1, columns // 32), np.float32),
-                     np.zeros((1, columns // 32), np.float32))
+                     np.zeros((1, columns // 32), np.int32))
     return (np.array(kinds, np.int64), *arrays, *rounded_input)
 
 
+def rows_by_16(array: np.ndarray, per_block: int) -> np.ndarray:
+    """A layer's (rows, width) array in quantized_dot's rows-by-16 order, flat per group of 16 rows
+    (rows padded with zeros to a multiple of 16): per block of `per_block` elements of a row (16
+    bytes of 4-bit values, 32 of 8-bit ones, or 1 scale), its runs of 4 bytes (of a scale: the
+    scale), each run the 16 rows' in turn. (groups, 16 * width)."""
+    rows, width = array.shape
+    groups = -(-rows // QDOT_GROUP_ROWS)
+    padded = np.zeros((groups * QDOT_GROUP_ROWS, width), array.dtype)
+    padded[:rows] = array
+    run = 4 if per_block > 1 else 1
+    split = padded.reshape(groups, QDOT_GROUP_ROWS, width // per_block, per_block // run, run)
+    return np.ascontiguousarray(split.transpose(0, 2, 3, 1, 4)).reshape(groups, -1)
+
+
 def with_int8_activations(weight: tuple) -> tuple:
-    """`weight` with its Q4_0, Q4_1 and Q8_0 layers multiplying int8-rounded activations."""
-    kinds = np.array([INT8_ACTIVATION_KINDS.get(int(kind), kind) for kind in weight[0]], np.int64)
-    return (kinds, *weight[1:])
+    """`weight` with its Q4_0, Q4_1 and Q8_0 layers multiplying int8-rounded activations: their
+    values, scales and offsets repacked rows by 16, every array's rows padded to a multiple of 16
+    (the other kinds never read the padding). A layer's repacked group of 16 rows fills the start
+    of that group's 16 stack rows, which is where the kernel reads it."""
+    kinds, *arrays = weight
+    new_kinds = np.array([INT8_ACTIVATION_KINDS.get(int(kind), kind) for kind in kinds], np.int64)
+    rows = arrays[0].shape[1]
+    padded_rows = -(-rows // QDOT_GROUP_ROWS) * QDOT_GROUP_ROWS
+    stacks = []
+    for stack in arrays[:5]:  # packed, high, scale, offset, dense
+        padded = np.zeros((stack.shape[0], padded_rows, stack.shape[2]), stack.dtype)
+        padded[:, :rows] = stack
+        stacks.append(padded)
+    packed, _, scale, offset, _ = stacks
+    columns = arrays[5].shape[1]
+    for layer, kind in enumerate(new_kinds):
+        if kind not in (Q4_RUNS_OF_16_X8, Q8_X8):
+            continue
+        value_width = columns // 2 if kind == Q4_RUNS_OF_16_X8 else columns
+        targets = [(packed, value_width, 16 if kind == Q4_RUNS_OF_16_X8 else 32), (scale, columns // 32, 1)]
+        if kind == Q4_RUNS_OF_16_X8:
+            targets.append((offset, columns // 32, 1))
+        for stack, width, per_block in targets:
+            groups = stack[layer].reshape(padded_rows // QDOT_GROUP_ROWS, -1)
+            groups[:, :QDOT_GROUP_ROWS * width] = rows_by_16(stack[layer, :rows, :width], per_block)
+    return (new_kinds, *stacks, *arrays[5:])
 
 
 def float_rows(param) -> tuple:
