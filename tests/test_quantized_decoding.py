@@ -64,6 +64,18 @@ def test_linear_row_equals_the_exact_mat_vec(ggml):
     assert np.array_equal(y[0], np.array(expected, dtype=np.float64))
 
 
+def test_linear_row_runs_float64_rows():
+    """A float64 model's step (the fuzz corpus' specs) compiles every kind's branch for float64
+    x and y, the int8 ones included, and runs its dense rows exactly."""
+    rng = np.random.default_rng(8)
+    weights = rng.integers(-8, 9, (19, 64))
+    weight = weight_tuple([DENSE], [{"dense": weights.astype(np.float64)}], 19, 64)
+    x = rng.integers(-8, 9, (1, 64))
+    y = np.full((1, 19), np.nan)
+    linear_row(weight, 0, x.astype(np.float64), y)
+    assert np.array_equal(y[0], exact.mat_vec(weights.tolist(), x[0].tolist()))
+
+
 def test_layers_of_two_kinds_share_one_stack():
     """Q4_K and Q6_K layers of one op (a Q4_K_M file's ffn_down), each array padded to its widest
     layer: every layer still equals its exact matVec."""

@@ -389,12 +389,16 @@ def qdot_int8_group(context, builder, signature, args, four_bit):
             block_sum = builder.fmul(block_scale, qdot_splat_lanes(builder, builder.sitofp(total, QDOT_F32), QDOT_F32))
             builder.store(builder.fadd(builder.load(offsets), builder.fmul(row_offsets, block_sum)), offsets)
     result = builder.fadd(builder.load(products), builder.load(offsets))
+    # a float64 model's step compiles this branch too (it never runs it): y may be float64
+    y_element = context.get_value_type(arrays["y"][0].dtype)
+    if y_element != QDOT_F32:
+        result = builder.fpext(result, qdot_vector_type(y_element, 16))
     rows = builder.extract_value(y.shape, 1)
     left = builder.sub(rows, first_row)
     output = builder.gep(y.data, [first_row])
     with builder.if_else(builder.icmp_signed(">=", left, qdot_index(QDOT_GROUP_ROWS))) as (whole, part):
         with whole:
-            builder.store(result, builder.bitcast(output, float_lanes.as_pointer()), align=4)
+            builder.store(result, builder.bitcast(output, result.type.as_pointer()), align=4)
         with part:  # the last group of a matrix whose rows are not a multiple of 16
             with cgutils.for_range(builder, left) as lane:
                 builder.store(builder.extract_element(result, lane.index), builder.gep(output, [lane.index]))
