@@ -24,7 +24,7 @@ HEADERS = {
         "import math\n\nimport numpy as np\nfrom numba import njit, prange\n\n"
         "from pyml.package.kernels_cpu import (adamw_grad_norm, adamw_scale, adamw_step, add_into, "
         "copy_into, linear_product, residual_add)\n"
-        "from pyml.package.vector_math import (F32_ONE, MAX_LANES, dot_float64, exp_vectorizable, "
+        "from pyml.package.vector_math import (F32_ONE, MAX_LANES, dot_float64, dots_4x4, exp_vectorizable, "
         "gelu_tanh_vectorizable, gelu_tanh_with_derivative_vectorizable, max_value, "
         "sigmoid_vectorizable, sum_float64, unit_offset_weighted_dot_float64, weighted_dot_float64)\n"
         "from pyml.package.quantized_dot import (q4_row_dot_runs_of_16, q4_row_dot_runs_of_32, "

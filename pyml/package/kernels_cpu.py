@@ -7,6 +7,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from pyml.package.vector_math import dots_4x4
+
 # AdamW adamw over flat 1-D buffers, with exactly torch.optim.AdamW's single-tensor arithmetic
 # (torch/optim/adam.py, _single_tensor_adam, decoupled weight decay, no amsgrad, no maximize).
 # grad_norm sums in this many fixed chunks, then the chunks in order: deterministic for any thread count
@@ -149,42 +151,17 @@ def linear_product(x, w, y):
 @njit(cache=True, parallel=True, fastmath={"contract", "reassoc"})
 def few_rows_product(x, w, y):
     # y = x @ w.T for x (M, K) with few rows: each iteration of the parallel loop takes 4 rows of w
-    # (they stay in L1) against the rows of x, 4 at a time, 16 sums in registers over k, so a load
-    # of w feeds 4 products and a load of x 4; the weight is read from memory once. Each sum starts
-    # at its k = 0 product, which gives it the arrays' dtype without a literal.
+    # (they stay in L1) against the rows of x, 4 at a time (dots_4x4: 16 sums in registers over k),
+    # so the weight is read from memory once. Each sum starts at its k = 0 product, which gives it
+    # the arrays' dtype without a literal.
     M, K = x.shape
     N = w.shape[0]
     for block in prange(N // 4):
         n = 4 * block
         w0, w1, w2, w3 = w[n], w[n + 1], w[n + 2], w[n + 3]
         for m in range(0, M - M % 4, 4):
-            x0, x1, x2, x3 = x[m], x[m + 1], x[m + 2], x[m + 3]
-            s00, s01, s02, s03 = w0[0] * x0[0], w1[0] * x0[0], w2[0] * x0[0], w3[0] * x0[0]
-            s10, s11, s12, s13 = w0[0] * x1[0], w1[0] * x1[0], w2[0] * x1[0], w3[0] * x1[0]
-            s20, s21, s22, s23 = w0[0] * x2[0], w1[0] * x2[0], w2[0] * x2[0], w3[0] * x2[0]
-            s30, s31, s32, s33 = w0[0] * x3[0], w1[0] * x3[0], w2[0] * x3[0], w3[0] * x3[0]
-            for k in range(1, K):
-                u0, u1, u2, u3 = w0[k], w1[k], w2[k], w3[k]
-                v = x0[k]
-                s00 += u0 * v
-                s01 += u1 * v
-                s02 += u2 * v
-                s03 += u3 * v
-                v = x1[k]
-                s10 += u0 * v
-                s11 += u1 * v
-                s12 += u2 * v
-                s13 += u3 * v
-                v = x2[k]
-                s20 += u0 * v
-                s21 += u1 * v
-                s22 += u2 * v
-                s23 += u3 * v
-                v = x3[k]
-                s30 += u0 * v
-                s31 += u1 * v
-                s32 += u2 * v
-                s33 += u3 * v
+            (s00, s01, s02, s03, s10, s11, s12, s13,
+             s20, s21, s22, s23, s30, s31, s32, s33) = dots_4x4(x[m], x[m + 1], x[m + 2], x[m + 3], w0, w1, w2, w3, K)
             y[m, n], y[m, n + 1], y[m, n + 2], y[m, n + 3] = s00, s01, s02, s03
             y[m + 1, n], y[m + 1, n + 1], y[m + 1, n + 2], y[m + 1, n + 3] = s10, s11, s12, s13
             y[m + 2, n], y[m + 2, n + 1], y[m + 2, n + 2], y[m + 2, n + 3] = s20, s21, s22, s23
