@@ -10,10 +10,10 @@ rows, ...), C-contiguous; a model-level weight (the tied LM head) has one layer.
 are the op's input rounded to int8 (quantized_dot.round_activations_q8: (1, in) int8, (1, in / 32)
 float32 and int32), written by the kinds that round it, Q4_RUNS_OF_16_X8 and Q8_X8 (`pyml
 generate --activations q8_0`): Q4_0/Q4_1 and Q8_0 weights repacked rows by 16 (quantized_dot.py
-gives the layout; rows padded to a multiple of 16), times int8 activations. Layers of different kinds share a stack when
-their packed values have one width (Q4_K and Q6_K: in/2): each array is as wide as its widest
-layer, and a kernel reads a row of scales or high bits from its start, so the padding past a
-layer's own width is never read.
+gives the layout; rows padded to a multiple of 16), times int8 activations. Layers of different
+kinds share a stack when their packed values have one width (Q4_K and Q6_K: in/2): each array is
+as wide as its widest layer, and a kernel reads a row of scales or high bits from its start, so
+the padding past a layer's own width is never read.
 
     kind             packed (uint8)             high (uint8)   scale, offset (float32)   dense
     Q4_RUNS_OF_16    Q4_0 / Q4_1 nibbles, in/2  -              per 32 values             -
@@ -100,8 +100,9 @@ def use_pool_threads(typingctx, count):
 @njit(parallel=True, fastmath=FAST)
 def linear_row(weight, layer, x, y):
     """y[0] = W x[0] (+ nothing: a bias is added by the caller), W layer `layer` of `weight`; x is
-    (1, in), y (1, out) float32. One output row per iteration of the parallel loop; no BLAS, so no
-    BLAS thread wakes up for a matrix-vector product."""
+    (1, in), y (1, out) float32. One output row per iteration of the parallel loop (16 for the
+    int8-activation kinds, after x is rounded on the calling thread); no BLAS, so no BLAS thread
+    wakes up for a matrix-vector product."""
     kinds, packed, high, scale, offset, dense, x_values, x_scale, x_total = weight
     kind = kinds[layer]
     packed, high, scale, offset, dense = packed[layer], high[layer], scale[layer], offset[layer], dense[layer]

@@ -1,11 +1,14 @@
 """Dot products of one quantized weight row with one float32 row, for the generated quantized linear
-kernels (templates/cpu/quantized_linear.py.j2), which import them.
+kernels (templates/cpu/quantized_linear.py.j2) and the fused decode step (decode_cpu.py), which
+import them; and, for the decode step's --activations q8_0, the products of 16 repacked rows with
+int8-rounded activations (the section at the end).
 
-Each is a numba intrinsic that writes its loop in LLVM vector IR. The same loop written as Python indexing stays scalar: numba widens every uint8
-operation to int64, and LLVM then neither narrows nor vectorizes it; the vector form ran 7x
-faster (2026-12-01, one core, a 1536x576 Q4_1 matrix: 22.6 against 3.3 billion weights/s).
-Generic vector types, no target intrinsics: LLVM splits them into the registers of whatever CPU
-it compiles for (one AVX-512 register holds 16 float32 lanes).
+Each is a numba intrinsic that writes its loop in LLVM vector IR. The same loop written as Python
+indexing stays scalar: numba widens every uint8 operation to int64, and LLVM then neither narrows
+nor vectorizes it; the vector form ran 7x faster (2026-12-01, one core, a 1536x576 Q4_1 matrix:
+22.6 against 3.3 billion weights/s). Generic vector types: LLVM splits them into the registers of
+whatever CPU it compiles for (one AVX-512 register holds 16 float32 lanes). The one target
+intrinsic, AVX-512 VNNI's vpdpbusd for the int8 products, is used only where the CPU has it.
 
 Each weight is dequantized as gguf's and llama.cpp's reference dequantizers do, value =
 q * scale + offset in float32 (q * scale is exact: a 4- to 8-bit integer times a scale with an

@@ -91,7 +91,7 @@ def decode_module(model) -> ModuleType:
 
 
 def weight_tuple(kinds: list[int], layers: list[dict[str, np.ndarray]], rows: int, columns: int) -> tuple:
-    """The step's (kinds, packed, high, scale, offset, dense, x_values, x_scale, x_sum): the kind
+    """The step's (kinds, packed, high, scale, offset, dense, x_values, x_scale, x_total): the kind
     of each layer, each array stacked (layers, rows, width), as wide as its widest layer
     (pyml/package/decode_cpu.py says why the padding is never read), width 0 where no layer has
     it, and room for the input of `columns` values rounded to int8. Dense rows keep the model's
