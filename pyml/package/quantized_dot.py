@@ -275,9 +275,9 @@ def q6_row_dot(typingctx, low, high, scale, x, row, sample):
 # llama.cpp's CPU "extra buffer types" repack them: 16 output rows in the 16 lanes, so that one
 # vpdpbusd multiplies 4 consecutive weights of each of 16 rows by the same 4 activations (broadcast
 # to every lane), the block scales of 16 rows are one vector, and no lane is ever summed across.
-# Measured on the development machine (2026-12-02, 2 threads, SmolLM2's shapes, weights in cache):
-# 87-103 billion weights/s, against 30-39 for a row at a time with a horizontal sum per row, and
-# 22-30 for the float32 dot.
+# Measured on the development machine (2026-12-02, 2 threads, SmolLM2's three shapes, weights in
+# cache, best of 3): 87, 103 and 75 billion weights/s, against 30, 39 and 25 for an int8 dot of one
+# row at a time, which sums its lanes at the end of each row.
 #
 #   rows by 16, 4-bit (Q4_0, Q4_1): per group of 16 rows and block of 32 values, 4 runs of 64
 #     bytes, run j holding, for each row r in turn, bytes 4j .. 4j + 3 of that row's 16 (low
