@@ -28,6 +28,7 @@ CASE_FILES = (
     "generated_cuda_sim_cases.py",  # the shipped specs' models on device="cuda" vs the CPU
     "cuda_sim_cases.py",  # every CUDA kernel vs the CPU kernel, float64 and float32
     "conformance_cuda_cases.py",  # every linear-map CUDA kernel vs the exact model, bit for bit
+    "quantized_decode_cuda_cases.py",  # the CUDA decode step on quantized weights
 )
 TIMEOUT_S = 2400  # per file, generous: at low priority a child may wait long for a core
 

@@ -1,7 +1,8 @@
 """The generator's fuzzing, on device="cuda" under Numba's CUDA simulator: random specs and the
 regression corpus, each generated package against the torch reference (loss, logits, every gradient
-and cached decoding, float64). Run by tests/test_cuda_sim.py in a process of its own; kept small,
-since the simulator runs each CUDA thread in Python."""
+and cached decoding, float64; the corpus also through the CUDA decode step, decode_cuda.py). Run
+by tests/test_cuda_sim.py in a process of its own; kept small, since the simulator runs each CUDA
+thread in Python."""
 
 import os
 
@@ -47,4 +48,4 @@ def test_random_sequential_models_on_cuda_match_torch(spec, B, seed):
 @pytest.mark.parametrize("path", corpus_specs(), ids=lambda p: p.stem)
 def test_regression_corpus_on_cuda_matches_torch(path):
     data = tomllib.loads(path.read_text())
-    check_against_torch(data, (1, min(data.get("max_seq_len", 4), 5)), seed=0, device="cuda")
+    check_against_torch(data, (1, min(data.get("max_seq_len", 4), 5)), seed=0, device="cuda", fused=True)

@@ -67,8 +67,9 @@ def check_against_torch(data: dict, batch: tuple[int, int], seed: int, device: s
                         fused: bool = False) -> None:
     """Loss, logits and every parameter gradient of the generated package equal the torch
     reference's to RTOL (float64), and for a decoder, decoding with the cache equals the full
-    forward pass; with `fused`, so does the fused decode step (compiled anew for each spec, 6 s
-    here: the corpus, whose specs do not change, checks it)."""
+    forward pass; with `fused`, so does the decode step on quantized weights' path
+    (`fused_decoding`; on the CPU compiled anew for each spec, 6 s here: the corpus, whose specs do
+    not change, checks it)."""
     spec, package = generated_package(data)
     tensors = random_tensors(package, seed)
     model = package.Model(dtype=np.float64, device=device)
@@ -105,15 +106,18 @@ def check_against_torch(data: dict, batch: tuple[int, int], seed: int, device: s
 
 
 def fused_decoding(model, ids: np.ndarray) -> np.ndarray:
-    """The logits of the last position of `ids` (1, T) from the generated fused decode step
-    (decode_cpu.py) after a prefill of the first position, its linear maps on the model's own
-    float rows: the step's structure (biases, heads, windows, norms) in float64."""
+    """The logits of the last position of `ids` (1, T) from the generated decode step of the
+    model's device (decode_cpu.py, decode_cuda.py), its linear maps on the model's own float
+    rows: the step's structure (biases, heads, windows, norms) in float64. On the CPU the step
+    decodes every position after the first; on CUDA only the last, after a prefill of the others,
+    since the simulator runs each GPU thread of a token in Python (20-60 s a token here)."""
     from pyml.runtime.quantized_decoding import QuantizedDecoder, decode_module, float_row_weights
 
     step = decode_module(model)
     decoder = QuantizedDecoder(model, step, *float_row_weights(model, step.LINEARS))
-    cache, last = decoder.start_decoding(ids[:, :1], ids.shape[1])
-    for position in range(1, ids.shape[1]):
+    prompt = 1 if model.device.name == "cpu" else ids.shape[1] - 1
+    cache, last = decoder.start_decoding(ids[:, :prompt], ids.shape[1])
+    for position in range(prompt, ids.shape[1]):
         last = decoder.decode(cache, ids[:, position])
     return last[0]
 

@@ -1,5 +1,7 @@
 """Cases for the quantized linear kernels, shared by the CPU tests (tests/test_quantized_linear.py)
-and the CUDA ones under Numba's simulator (tests/quantized_cuda_cases.py).
+and the CUDA ones under Numba's simulator (tests/quantized_cuda_cases.py), and for the decode
+steps' linear map, shared the same way (tests/test_quantized_decoding.py,
+tests/quantized_decode_cuda_cases.py).
 
 Two kinds of weights, each encoded as the GGUF bytes of its type and loaded through
 `pyml.runtime.gguf_quantized`, so the layout decoding is under test too:
@@ -20,7 +22,10 @@ from gguf import GGMLQuantizationType as GGML
 from gguf.quants import dequantize, quantize
 
 from pyml import exact
+from pyml.package.decode_cpu import DENSE
 from pyml.runtime.gguf_quantized import BLOCKS, quantized_matrix
+from pyml.runtime.quant import GGMLType
+from pyml.runtime.quantized_decoding import STEP_KINDS, kept_arrays, weight_tuple
 
 TYPES = (GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q4_K, GGML.Q6_K)  # those of the quantized linear kernels
 # float32 unit roundoff: a sum of K products is within K * UNIT * sum |w x| of the exact one
@@ -171,3 +176,59 @@ def assert_within_float32_sum(y: np.ndarray, x: np.ndarray, weights: np.ndarray)
     # each product rounds once, and a sum of n terms in any order is within (n - 1) u of exact
     bound = (weights.shape[1] + 1) * UNIT * (np.abs(x).astype(np.float64) @ np.abs(weights).T)
     assert np.all(np.abs(y - reference) <= bound), np.max(np.abs(y - reference) / bound)
+
+
+# -- the decode steps' linear map (pyml/package/decode_cpu.py, decode_cuda.py) ---------------------
+# `run_step(weight, layer, x)` runs a target's linear_row on a step weight tuple (host arrays,
+# pyml.runtime.quantized_decoding.weight_tuple) and returns y (1, rows) on the host.
+
+STEP_TYPES = (*TYPES, GGML.Q5_0)  # Q5_0: the fused steps' only (Gemma 3's q, k, v, gate, up)
+
+
+def step_layer(ggml: GGML, rows: int, columns: int, rng) -> tuple[int, dict, np.ndarray]:
+    """(the step's kind, its arrays, the integer matrix) of an exact layer of type `ggml`, or of
+    small-integer dense rows for None."""
+    if ggml is None:
+        weights = rng.integers(-8, 9, (rows, columns))
+        return DENSE, {"dense": weights.astype(np.float32)}, weights
+    raw, weights = exact_weights(ggml, rows, columns, rng)
+    assert np.array_equal(gguf_weights(raw, ggml, rows, columns), weights)  # the encoder is right
+    ggml_type = GGMLType(int(ggml))
+    arrays = kept_arrays(ggml_type, quantized_matrix(raw, ggml, (rows, columns)).arrays)
+    return STEP_KINDS[ggml_type], arrays, weights
+
+
+def assert_step_equals_the_exact_mat_vec(run_step, weight, layer, weights, x) -> None:
+    y = run_step(weight, layer, x.astype(weight[5].dtype if weight[5].size else np.float32))
+    expected = exact.mat_vec(weights.astype(np.int64).tolist(), x[0].tolist())
+    assert np.array_equal(y[0], np.array(expected, dtype=np.float64))
+
+
+def case_step_exact(run_step, ggml: GGML | None) -> None:
+    """One layer of `ggml` (None: dense rows) equals the exact model's matVec bit for bit."""
+    rng = np.random.default_rng(3)
+    rows, columns = 5, 2 * (BLOCKS[ggml][0] if ggml else 32)
+    kind, arrays, weights = step_layer(ggml, rows, columns, rng)
+    weight = weight_tuple([kind], [arrays], rows, columns)
+    assert_step_equals_the_exact_mat_vec(run_step, weight, 0, weights, rng.integers(-8, 9, (1, columns)))
+
+
+def case_step_two_kinds_in_one_stack(run_step) -> None:
+    """Q4_K and Q6_K layers of one op (a Q4_K_M file's ffn_down), each array padded to its widest
+    layer: every layer still equals its exact matVec."""
+    rng = np.random.default_rng(4)
+    rows, columns = 3, 512
+    layers = [step_layer(ggml, rows, columns, rng) for ggml in (GGML.Q4_K, GGML.Q6_K, GGML.Q4_K)]
+    weight = weight_tuple([kind for kind, _, _ in layers], [arrays for _, arrays, _ in layers], rows, columns)
+    x = rng.integers(-8, 9, (1, columns))
+    for layer, (_, _, weights) in enumerate(layers):
+        assert_step_equals_the_exact_mat_vec(run_step, weight, layer, weights, x)
+
+
+def case_step_float64_rows(run_step) -> None:
+    """A float64 model's dense rows (the fuzz corpus' specs) run in float64, exactly."""
+    from pyml.package.decode_cpu import DENSE
+    rng = np.random.default_rng(8)
+    weights = rng.integers(-8, 9, (19, 64))
+    weight = weight_tuple([DENSE], [{"dense": weights.astype(np.float64)}], 19, 64)
+    assert_step_equals_the_exact_mat_vec(run_step, weight, 0, weights, rng.integers(-8, 9, (1, 64)))

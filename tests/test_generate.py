@@ -174,7 +174,7 @@ def test_int8_activations_decode_near_the_float32_forward(ours, chat_ids, model_
     assert "Paris" in tokenizer.decode(result.new_ids)
 
 
-def test_quantized_weights_on_the_gpu_are_refused_in_one_line(model_dir):
-    with pytest.raises(PymlError, match="--weights as-stored runs the fused decode step, which is "
-                                        "CPU-only: add --weights f32 to decode on the GPU"):
-        generation.load_decoder(model_dir, SPEC, device="cuda")
+def test_int8_activations_on_the_gpu_are_refused_in_one_line(model_dir):
+    with pytest.raises(PymlError, match="--activations q8_0 runs on the CPU only: leave it out to "
+                                        "decode on the GPU"):
+        generation.load_decoder(model_dir, SPEC, device="cuda", activations="q8_0")

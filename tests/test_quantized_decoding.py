@@ -13,20 +13,26 @@
 The real SmolLM2 through it (its greedy tokens equal to the float32 path's) is in test_generate.py.
 """
 
-from pathlib import Path
-
 import numba
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as GGML
-from quantized_cases import TYPES, exact_weights, gguf_weights
+from llama_tiny_reference import reference_logits
+from quantized_cases import (
+    STEP_TYPES,
+    case_step_exact,
+    case_step_float64_rows,
+    case_step_two_kinds_in_one_stack,
+    exact_weights,
+    gguf_weights,
+)
 
 from gen.llama_tiny import model as tiny
 from pyml import exact
 from pyml.errors import PymlError
 from pyml.package import quantized_dot
-from pyml.package.decode_cpu import DENSE, linear_row
-from pyml.runtime.gguf_quantized import BLOCKS, quantized_matrix
+from pyml.package.decode_cpu import linear_row
+from pyml.runtime.gguf_quantized import quantized_matrix
 from pyml.runtime.quant import GGMLType
 from pyml.runtime.quantized_decoding import (
     STEP_KINDS,
@@ -36,65 +42,27 @@ from pyml.runtime.quantized_decoding import (
     weight_tuple,
     with_int8_activations,
 )
-from pyml.spec import load_spec
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
-STEP_TYPES = (*TYPES, GGML.Q5_0)  # Q5_0: the fused step's only (Gemma 3's q, k, v, gate, up)
+def run_cpu_step(weight, layer, x):
+    y = np.full((1, weight[1].shape[1]), np.nan, x.dtype)
+    linear_row(weight, layer, x, y)
+    return y
 
 
 @pytest.mark.parametrize("ggml", [*STEP_TYPES, None], ids=[t.name for t in STEP_TYPES] + ["dense"])
 def test_linear_row_equals_the_exact_mat_vec(ggml):
-    rng = np.random.default_rng(3)
-    rows, columns = 5, 2 * (BLOCKS[ggml][0] if ggml else 32)
-    if ggml is None:
-        weights = rng.integers(-8, 9, (rows, columns))
-        weight = weight_tuple([DENSE], [{"dense": weights.astype(np.float32)}], rows, columns)
-    else:
-        raw, weights = exact_weights(ggml, rows, columns, rng)
-        assert np.array_equal(gguf_weights(raw, ggml, rows, columns), weights)  # the encoder is right
-        ggml_type = GGMLType(int(ggml))
-        arrays = quantized_matrix(raw, ggml, (rows, columns)).arrays
-        weight = weight_tuple([STEP_KINDS[ggml_type]], [kept_arrays(ggml_type, arrays)], rows, columns)
-    x = rng.integers(-8, 9, (1, columns))
-    y = np.full((1, rows), np.nan, np.float32)
-    linear_row(weight, 0, x.astype(np.float32), y)
-    expected = exact.mat_vec(weights.astype(np.int64).tolist(), x[0].tolist())
-    assert np.array_equal(y[0], np.array(expected, dtype=np.float64))
+    case_step_exact(run_cpu_step, ggml)
 
 
 def test_linear_row_runs_float64_rows():
-    """A float64 model's step (the fuzz corpus' specs) compiles every kind's branch for float64
-    x and y, the int8 ones included, and runs its dense rows exactly."""
-    rng = np.random.default_rng(8)
-    weights = rng.integers(-8, 9, (19, 64))
-    weight = weight_tuple([DENSE], [{"dense": weights.astype(np.float64)}], 19, 64)
-    x = rng.integers(-8, 9, (1, 64))
-    y = np.full((1, 19), np.nan)
-    linear_row(weight, 0, x.astype(np.float64), y)
-    assert np.array_equal(y[0], exact.mat_vec(weights.tolist(), x[0].tolist()))
+    """A float64 model's step compiles every kind's branch for float64 x and y, the int8 ones
+    included, and runs its dense rows exactly."""
+    case_step_float64_rows(run_cpu_step)
 
 
 def test_layers_of_two_kinds_share_one_stack():
-    """Q4_K and Q6_K layers of one op (a Q4_K_M file's ffn_down), each array padded to its widest
-    layer: every layer still equals its exact matVec."""
-    rng = np.random.default_rng(4)
-    rows, columns = 3, 512
-    layers, matrices, kinds = [], [], []
-    for ggml in (GGML.Q4_K, GGML.Q6_K, GGML.Q4_K):
-        raw, weights = exact_weights(ggml, rows, columns, rng)
-        ggml_type = GGMLType(int(ggml))
-        layers.append(kept_arrays(ggml_type, quantized_matrix(raw, ggml, (rows, columns)).arrays))
-        matrices.append(weights)
-        kinds.append(STEP_KINDS[ggml_type])
-    weight = weight_tuple(kinds, layers, rows, columns)
-    x = rng.integers(-8, 9, (1, columns))
-    for layer, weights in enumerate(matrices):
-        y = np.full((1, rows), np.nan, np.float32)
-        linear_row(weight, layer, x.astype(np.float32), y)
-        expected = exact.mat_vec(weights.astype(np.int64).tolist(), x[0].tolist())
-        assert np.array_equal(y[0], np.array(expected, dtype=np.float64))
+    case_step_two_kinds_in_one_stack(run_cpu_step)
 
 
 INT8_TYPES = (GGML.Q8_0, GGML.Q4_0, GGML.Q4_1)  # the formats --activations q8_0 runs
@@ -232,39 +200,6 @@ def test_vnni_and_generic_vector_code_give_the_same_bits():
         outputs[cpu] = result.stdout.split()
     assert outputs["host"][0] == "True" and outputs["x86-64"][0] == "False"
     assert outputs["host"][1:] == outputs["x86-64"][1:]
-
-
-def reference_logits(params, ids: list[int]) -> np.ndarray:
-    """llama_tiny's logits (T, VOCAB) at every position, in float64 numpy, read off its spec."""
-    spec = load_spec(ROOT / "specs" / "llama_tiny.toml")
-    attention = spec.attentions()[0]
-    H, KV, D = attention.n_heads, attention.n_kv_heads, attention.head_dim
-    T, f = len(ids), (lambda array: np.asarray(array, np.float64))
-    angles = np.arange(T)[:, None] / attention.rope.theta ** (np.arange(0, D, 2) / D)
-    cos, sin = np.cos(angles)[:, None], np.sin(angles)[:, None]
-
-    def norm(x, w):
-        return x / np.sqrt((x * x).mean(-1, keepdims=True) + spec.final_norm.eps) * f(w)
-
-    def rope(h):  # (T, heads, D): the halves (i, i + D / 2) rotated together
-        first, second = h[..., :D // 2], h[..., D // 2:]
-        return np.concatenate([first * cos - second * sin, second * cos + first * sin], -1)
-
-    x = f(params.embed)[ids]
-    causal = np.triu(np.full((T, T), -np.inf), 1)
-    for l in range(tiny.N_LAYERS):
-        qkv = norm(x, params.input_layernorm[l]) @ f(params.self_attn_qkv[l]).T
-        q = rope(qkv[:, :H * D].reshape(T, H, D))
-        k = np.repeat(rope(qkv[:, H * D:(H + KV) * D].reshape(T, KV, D)), H // KV, axis=1)
-        v = np.repeat(qkv[:, (H + KV) * D:].reshape(T, KV, D), H // KV, axis=1)
-        scores = np.einsum("thd,shd->hts", q, k) / np.sqrt(D) + causal
-        probs = np.exp(scores - scores.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-        x = x + np.einsum("hts,shd->thd", probs, v).reshape(T, H * D) @ f(params.self_attn_o[l]).T
-        gate_up = norm(x, params.post_attention_layernorm[l]) @ f(params.mlp_gate_up[l]).T
-        gate, up = np.split(gate_up, 2, axis=1)
-        x = x + (gate / (1 + np.exp(-gate)) * up) @ f(params.mlp_down[l]).T
-    return norm(x, params.final_norm) @ f(params.embed).T
 
 
 @pytest.mark.parametrize("weights", ["q8_0", "q4_0", "q4_1"])

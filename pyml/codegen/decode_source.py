@@ -1,10 +1,13 @@
-"""The generated `decode_cpu.py`: a decoder's whole decoding step as one Numba function.
+"""The generated `decode_cpu.py` and `decode_cuda.py`: a decoder's decoding step on weights kept
+quantized, for each target.
 
 Written from the same op list as the model's `run_decode` (`pyml.codegen.lower`): each op calls the
-package's own CPU kernel, as the float32 step does, except the linear ops, which call
-`pyml.package.decode_cpu.linear_row` on weights in whatever format they are kept (GGUF blocks or
-float32 rows). The layer loop is inside Numba, the KV cache is written in place, and every buffer
-is one the caller allocated once: a token costs one call from Python. Shapes are those of one
+package's own kernel, as the float32 step does, except the linear ops, which call the target's
+`linear_row` (pyml/package/decode_cpu.py, decode_cuda.py) on weights in whatever format they are
+kept (GGUF blocks or float32 rows). The KV cache is written in place, and every buffer is one the
+caller allocated once. On the CPU the step is one Numba function with the layer loop inside, so a
+token costs one call from Python; on CUDA it is a Python function that launches one kernel per op
+and never waits for the device, since a kernel cannot launch the next. Shapes are those of one
 position of one sequence (B = T = N = 1).
 
 The step's arguments are listed once (`Argument`), so the Numba function's parameters and the
@@ -34,17 +37,11 @@ def shape_text(shape: tuple) -> str:
     return f"({shape[0]},)" if len(shape) == 1 else f"({', '.join(map(str, shape))})"
 
 
-def in_parallel(call: str) -> list[str]:
-    """`call` on the pool's threads: the step runs on one thread but for the matrix-vector products
-    and attention (the template says why)."""
-    return ["use_pool_threads(threads)", call, "use_pool_threads(1)"]
-
-
 class FusedStep:
-    """Collects the step's arguments, its view definitions and its statements."""
+    """Collects the step's arguments, its view definitions and its statements for `target`."""
 
-    def __init__(self, graph: Graph):
-        self.graph = graph
+    def __init__(self, graph: Graph, target: str):
+        self.graph, self.target = graph, target
         self.arguments: list[Argument] = [Argument("ids", "c.ids")]
         self.views: list[str] = []
         # (op prefix, weight parameter, bias parameter or None, the weight's tensors)
@@ -77,10 +74,19 @@ class FusedStep:
         return name
 
     def param(self, attr: str) -> str:
-        """A parameter: per-layer ones stacked (layers, ...) and indexed by the layer."""
+        """A parameter; a per-layer one indexed by the layer: on the CPU stacked (layers, ...), on
+        CUDA the model's list of views."""
         if graph_param(self.graph, attr).per_layer:
-            return self.argument(attr, f"stack_layers(p.{attr})") + "[l]"
+            source = f"stack_layers(p.{attr})" if self.target == "cpu" else f"p.{attr}"
+            return self.argument(attr, source) + "[l]"
         return self.argument(attr, f"p.{attr}")
+
+    def in_parallel(self, call: str) -> list[str]:
+        """`call`, on the CPU on the pool's threads: the step runs on one thread but for the
+        matrix-vector products and attention (the template says why)."""
+        if self.target == "cpu":
+            return ["use_pool_threads(threads)", call, "use_pool_threads(1)"]
+        return [call]
 
     def linear(self, op: Op, x: str, y: str) -> list[str]:
         bias = op.params.get("bias")
@@ -88,7 +94,7 @@ class FusedStep:
                              graph_param(self.graph, op.params["weight"]).tensors))
         weight = self.argument(f"{op.prefix}_weight", f'weights["{op.prefix}"]')
         layer = "l" if graph_param(self.graph, op.params["weight"]).per_layer else "0"
-        lines = in_parallel(f"linear_row({weight}, {layer}, {x}, {y})")
+        lines = self.in_parallel(f"linear_row({weight}, {layer}, {x}, {y})")
         if bias is not None:
             lines.append(f"add_bias({y}, {self.param(bias)})")
         return lines
@@ -119,9 +125,9 @@ class FusedStep:
                 lines.append(f"k.residual_add({x[0]}, {x[1]}, {y[0]})")
             elif op.kind == "embedding":
                 table = self.param(op.params["weight"])
-                if self.kernel_context(op.prefix)["scale"] == 1.0:
+                if self.target == "cuda" or self.kernel_context(op.prefix)["scale"] == 1.0:
                     lines.append(f"k.{op.prefix}_forward({x[0]}, {table}, {y[0]})")
-                else:  # its `_forward` is Python: it rounds the scale to the table's dtype first
+                else:  # the CPU's `_forward` is Python: it rounds the scale to the table's dtype first
                     scale = self.argument(f"{op.prefix}_scale",
                                           f"p.{op.params['weight']}.dtype.type(k.{op.prefix.upper()}_SCALE)")
                     lines.append(f"k.{op.prefix}_forward_kernel({x[0]}, {table}, {y[0]}, {scale})")
@@ -139,10 +145,12 @@ class FusedStep:
                 index = [o for o in self.graph.block if o.kind == "attention"].index(op)
                 keys = self.argument(f"{op.prefix}_keys", f"keys[{index}]")
                 values = self.argument(f"{op.prefix}_values", f"values[{index}]")
-                lines += [f"slot, n_valid = cache_slot({op.attrs['window']}[l], position)",
-                          f"{keys}[l, :, slot] = {x[1]}[:, 0]",
-                          f"{values}[l, :, slot] = {x[2]}[:, 0]",
-                          *in_parallel(f"k.{op.prefix}_decode({x[0]}, {keys}[l], {values}[l], n_valid, {y[0]})")]
+                lines.append(f"slot, n_valid = cache_slot({op.attrs['window']}[l], position)")
+                if self.target == "cpu":
+                    lines += [f"{keys}[l, :, slot] = {x[1]}[:, 0]", f"{values}[l, :, slot] = {x[2]}[:, 0]"]
+                else:  # a kernel: a slice assignment to a device array waits for the device
+                    lines += [f"store_slot({keys}[l], slot, {x[1]})", f"store_slot({values}[l], slot, {x[2]})"]
+                lines += self.in_parallel(f"k.{op.prefix}_decode({x[0]}, {keys}[l], {values}[l], n_valid, {y[0]})")
             elif op.kind == "loss":
                 continue
             else:  # element-wise: the GLUs and the activations
@@ -150,8 +158,8 @@ class FusedStep:
         return lines
 
 
-def decode_context(graph: Graph) -> dict:
-    step = FusedStep(graph)
+def decode_context(graph: Graph, target: str) -> dict:
+    step = FusedStep(graph, target)
     head, block, tail = step.lines(graph.head), step.lines(graph.block), step.lines(graph.tail)
     step.argument("stream_in", "c.stream_in")
     step.argument("stream_out", "c.stream_out")
@@ -161,5 +169,6 @@ def decode_context(graph: Graph) -> dict:
             "tail": tail, "linears": tuple(step.linears), "model_constants": ["N_LAYERS", *constants]}
 
 
-def render_decode(graph: Graph, notice: str) -> str:
-    return notice + ENVIRONMENT.get_template("package/decode_cpu.py.j2").render(**decode_context(graph))
+def render_decode(graph: Graph, target: str, notice: str) -> str:
+    return notice + ENVIRONMENT.get_template(f"package/decode_{target}.py.j2").render(
+        **decode_context(graph, target))

@@ -34,7 +34,8 @@ def template_hashes() -> dict[str, str]:
 # package computes without changing its files, so their hashes are part of the manifest.
 SHARED_MODULES = ("pyml/package/base.py", "pyml/package/kernels_cpu.py",
                   "pyml/package/kernels_cuda.py", "pyml/package/vector_math.py",
-                  "pyml/package/quantized_dot.py", "pyml/package/decode_cpu.py")
+                  "pyml/package/quantized_dot.py", "pyml/package/decode_cpu.py",
+                  "pyml/package/quantized_cuda.py", "pyml/package/decode_cuda.py")
 PYML_ROOT = Path(__file__).resolve().parents[2]
 
 

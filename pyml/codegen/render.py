@@ -34,13 +34,15 @@ HEADERS = {
         "import math\n\nimport numpy as np\nfrom numba import cuda\n\n"
         "from pyml.package.kernels_cuda import (adamw_grad_norm, adamw_scale, adamw_step, add_into, "
         "copy_into, matmul, residual_add, sigmoid)\n"
+        "from pyml.package.quantized_cuda import THREADS as QUANTIZED_THREADS\n"
+        "from pyml.package.quantized_cuda import block_sum, q4_weight, q6_weight, q8_weight\n"
     ),
 }
 # what the header imports, for `pyml check` and the modules' first line (see pyml.package.vector_math)
 SHARED_KERNEL_MODULES = {
     "cpu": ("pyml/package/kernels_cpu.py", "pyml/package/vector_math.py",
             "pyml/package/quantized_dot.py"),
-    "cuda": ("pyml/package/kernels_cuda.py",),
+    "cuda": ("pyml/package/kernels_cuda.py", "pyml/package/quantized_cuda.py"),
 }
 
 ENVIRONMENT = jinja2.Environment(

@@ -121,9 +121,9 @@ def load_decoder(model_dir: Path, spec_path: Path | None = None, device: str = "
             raise PymlError(f"--activations {activations} needs quantized weights, and {model_dir} "
                             "stores float32 only: add --weights q8_0, q4_0 or q4_1")
         return load_model(model_dir, spec_path, device, adapter)
-    if device != "cpu":
-        raise PymlError(f"--weights {weights} runs the fused decode step, which is CPU-only: add "
-                        "--weights f32 to decode on the GPU")
+    if device == "cuda" and activations != "f32":
+        raise PymlError(f"--activations {activations} runs on the CPU only: leave it out to decode "
+                        "on the GPU")
     return QuantizedDecoder.load(load_model(model_dir, spec_path, device, adapter), weights, gguf_path,
                                  activations)
 

@@ -1,4 +1,6 @@
-"""Decoding on quantized weights through a package's fused decode step (gen/<name>/decode_cpu.py).
+"""Decoding on quantized weights through a package's decode step: gen/<name>/decode_cpu.py (the
+fused step, one Numba call per token) on the CPU, gen/<name>/decode_cuda.py on device="cuda",
+with the same weights copied to the GPU.
 
 `pyml generate --weights` picks the weights the linear maps run on:
 
@@ -20,7 +22,7 @@
                block's product summed in integers (pyml/package/quantized_dot.py). Faster, and
                less exact: a product's relative error grows to about 5e-3, and greedy tokens may
                part from the float32 path's. Only Q4_0, Q4_1 and Q8_0 weights run it; the other
-               formats keep float32 activations.
+               formats keep float32 activations. CPU only.
 
 The prompt runs through the float32 package's matrix-matrix forward (prefill), whose keys and
 values seed the fused step's cache. Both run the same weights: as-stored, the folder's float32
@@ -79,12 +81,13 @@ def check_weights(weights: str, activations: str = "f32") -> None:
 
 
 def decode_module(model) -> ModuleType:
-    """The fused decode step of `model`'s generated package."""
+    """The decode step of `model`'s generated package for its device: decode_cpu or decode_cuda."""
     package = type(model).__module__.rsplit(".", 1)[0]
+    name = f"{package}.decode_{model.device.name}"
     try:
-        return importlib.import_module(f"{package}.decode_cpu")
+        return importlib.import_module(name)
     except ModuleNotFoundError as error:
-        if error.name != f"{package}.decode_cpu":
+        if error.name != name:
             raise
         raise PymlError(f"{package} has no fused decode step (a LoRA spec decodes in float32, and a "
                         f"package generated before it existed needs `pyml gen`): use --weights f32") from None
@@ -157,16 +160,16 @@ def with_int8_activations(weight: tuple) -> tuple:
     return (new_kinds, *stacks, *arrays[5:])
 
 
-def float_rows(param) -> tuple:
+def float_rows(model, param) -> tuple:
     """A weight parameter as the step's float rows: the values the folder holds, read without BLAS."""
-    matrices = layer_weights(param)
+    matrices = [model.device.to_host(matrix) for matrix in layer_weights(param)]
     return weight_tuple([DENSE] * len(matrices), [{"dense": matrix} for matrix in matrices],
                         *matrices[0].shape)
 
 
 def float_row_weights(model, linears) -> tuple[dict[str, tuple], dict[str, str]]:
     """Every linear weight as float rows in the model's dtype, with each op's format."""
-    weights = {prefix: float_rows(getattr(model.params, attr)) for prefix, attr, _, _ in linears}
+    weights = {prefix: float_rows(model, getattr(model.params, attr)) for prefix, attr, _, _ in linears}
     return weights, {prefix: np.dtype(model.params.flat.dtype).name.upper() for prefix in weights}
 
 
@@ -197,8 +200,8 @@ def requantized_weights(model, linears, target: GGMLType) -> tuple[dict[str, tup
             if columns % 32:
                 raise PymlError(f"{attr}: rows of {columns} values are not whole {target.name} "
                                 "blocks of 32; use --weights f32")
-            raw = quantize(weight, target).reshape(-1)
-            weight[:] = dequantize(raw, target, weight.shape)
+            raw = quantize(model.device.to_host(weight), target).reshape(-1)
+            model.device.to_device(dequantize(raw, target, (rows, columns)), weight)
             layers.append(kept_arrays(target, quantized_matrix(raw, int(target), (rows, columns)).arrays))
         weights[prefix] = weight_tuple([STEP_KINDS[target]] * len(layers), layers, rows, columns)
     return weights, {prefix: target.name for prefix in weights}
@@ -223,7 +226,7 @@ def stored_weights(model, linears, gguf_path: Path) -> tuple[dict[str, tuple], d
         types = [{gguf.tensors[name].ggml_type if name else None for name in names} for names in sources]
         if (any(len(kinds) != 1 or next(iter(kinds)) not in STEP_KINDS for kinds in types)
                 or len({PACKED_PER_VALUE[next(iter(kinds))] for kinds in types}) != 1):
-            weights[prefix], formats[prefix] = float_rows(param), "F32"
+            weights[prefix], formats[prefix] = float_rows(model, param), "F32"
             continue
         layer_types = [next(iter(kinds)) for kinds in types]
         layers = []
@@ -257,10 +260,15 @@ class FusedCache:
 
 
 class QuantizedDecoder:
-    """A float32 model for the prompt and the fused step on `weights` for each new token; what
-    `pyml.runtime.generate.generate` calls (start_decoding, decode) as on a package's Model."""
+    """A float32 model for the prompt and the decode step of its device on `weights` for each new
+    token; what `pyml.runtime.generate.generate` calls (start_decoding, decode) as on a package's
+    Model."""
 
     def __init__(self, model, step: ModuleType, weights: dict[str, tuple], formats: dict[str, str]):
+        if model.device.name == "cuda":
+            from pyml.package.decode_cuda import device_weight
+
+            weights = {prefix: device_weight(weight) for prefix, weight in weights.items()}
         self.model, self.step, self.weights, self.formats = model, step, weights, formats
 
     @classmethod
@@ -293,6 +301,9 @@ class QuantizedDecoder:
         if np.shape(prompt_ids)[0] != 1:
             raise PymlError("the fused decode step runs one sequence at a time")
         cache, logits = self.model.start_decoding(prompt_ids, max_len)
+        if self.model.device.name == "cuda":  # the CUDA step takes the float32 cache's own arrays
+            arguments = self.step.step_arguments(self.model, cache, self.weights, cache.keys, cache.values)
+            return FusedCache(cache, arguments, cache.length, cache.max_len), logits
         keys, values = [], []
         for layer_keys, layer_values in zip(cache.keys, cache.values):
             # the float32 cache's layers, one array per attention op: (layers, 1, slots, kv, head dim)
@@ -312,4 +323,4 @@ class QuantizedDecoder:
         self.model.load_batch(np.reshape(next_ids, (-1, 1)), cache.buffers.ids, "next_ids")
         self.step.decode_step(cache.length, *cache.arguments)
         cache.length += 1
-        return cache.buffers.logits.copy()
+        return self.model.device.to_host(cache.buffers.logits).copy()
