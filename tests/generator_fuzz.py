@@ -67,7 +67,7 @@ def check_against_torch(data: dict, batch: tuple[int, int], seed: int, device: s
                         fused: bool = False) -> None:
     """Loss, logits and every parameter gradient of the generated package equal the torch
     reference's to RTOL (float64), and for a decoder, decoding with the cache equals the full
-    forward pass; with `fused`, so does the decode step on quantized weights' path
+    forward pass; with `fused`, so does the package's decode step for quantized weights
     (`fused_decoding`; on the CPU compiled anew for each spec, 6 s here: the corpus, whose specs do
     not change, checks it)."""
     spec, package = generated_package(data)
@@ -110,7 +110,7 @@ def fused_decoding(model, ids: np.ndarray) -> np.ndarray:
     model's device (decode_cpu.py, decode_cuda.py), its linear maps on the model's own float
     rows: the step's structure (biases, heads, windows, norms) in float64. On the CPU the step
     decodes every position after the first; on CUDA only the last, after a prefill of the others,
-    since the simulator runs each GPU thread of a token in Python (20-60 s a token here)."""
+    since the simulator runs each GPU thread of a token in Python (tens of seconds a token here)."""
     from pyml.runtime.quantized_decoding import QuantizedDecoder, decode_module, float_row_weights
 
     step = decode_module(model)
