@@ -96,9 +96,43 @@ def test_int8_activation_rows_equal_the_exact_mat_vec(ggml, blocks):
     y = written[:, :rows]
     linear_row(weight, 0, x.astype(np.float32), y)
     assert np.isnan(written[0, rows:]).all()  # the last group of 16 rows wrote only its 5
+    assert weight[3].shape[2] == -(-blocks // 2)  # float16 scales: half as many float32 columns
     assert np.array_equal(weight[6][0], x[0])  # the rounding kept the integers
     expected = exact.mat_vec(weights.astype(np.int64).tolist(), x[0].tolist())
     assert np.array_equal(y[0], np.array(expected, dtype=np.float64))
+
+
+def test_int8_layers_share_a_stack_with_float_activation_layers():
+    """A Q4_1 layer on int8 activations beside a Q4_K layer, which keeps float32 activations and
+    scales (Q4_K has no int8 kind): the stack stays float32-wide, the Q4_1 layer reads its float16
+    scales from the start of its rows, and both layers equal their exact matVec."""
+    rng = np.random.default_rng(12)
+    rows, columns = 37, 256
+    layers = []
+    for ggml in (GGML.Q4_1, GGML.Q4_K):
+        raw, weights = exact_weights(ggml, rows, columns, rng)
+        arrays = kept_arrays(GGMLType(int(ggml)), quantized_matrix(raw, ggml, (rows, columns)).arrays)
+        layers.append((STEP_KINDS[GGMLType(int(ggml))], arrays, weights))
+    weight = with_int8_activations(weight_tuple([kind for kind, _, _ in layers],
+                                                [arrays for _, arrays, _ in layers], rows, columns))
+    assert weight[3].shape[2] == columns // 32
+    # int8-exact activations for the Q4_1 layer; small ones for Q4_K, whose products are larger
+    inputs = (exact_int8_input(rng, columns), rng.integers(-8, 9, (1, columns)))
+    for layer, ((_, _, weights), x) in enumerate(zip(layers, inputs)):
+        y = np.full((1, rows), np.nan, np.float32)
+        linear_row(weight, layer, x.astype(np.float32), y)
+        expected = exact.mat_vec(weights.astype(np.int64).tolist(), x[0].tolist())
+        assert np.array_equal(y[0], np.array(expected, dtype=np.float64))
+
+
+def test_a_scale_beyond_float16_is_refused_before_decoding():
+    """The int8 kinds read float16 scales; a block whose offset float16 cannot hold (a Q4_0 offset
+    is -8 times its scale) is refused, not rounded."""
+    raw, _ = exact_weights(GGML.Q4_0, 16, 64, np.random.default_rng(2))
+    arrays = kept_arrays(GGMLType.Q4_0, quantized_matrix(raw, GGML.Q4_0, (16, 64)).arrays)
+    arrays["offset"][3, 1] = np.float32(-8 * 60000.0)
+    with pytest.raises(PymlError, match="not a float16 value"):
+        with_int8_activations(weight_tuple([STEP_KINDS[GGMLType.Q4_0]], [arrays], 16, 64))
 
 
 def rounded(x):

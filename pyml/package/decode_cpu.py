@@ -20,12 +20,13 @@ the padding past a layer's own width is never read.
     Q4_RUNS_OF_32    Q4_K nibbles, in/2         -              per 32 values             -
     Q5               Q5_0 low nibbles, in/2     fifth bits     per 32 values             -
     Q8               Q8_0 int8 bytes, in        -              scale per 32              -
-    Q4_RUNS_OF_16_X8 Q4_0 / Q4_1, rows by 16     -              per 32, rows by 16        -
-    Q8_X8            Q8_0, rows by 16           -              per 32, rows by 16        -
+    Q4_RUNS_OF_16_X8 Q4_0 / Q4_1, rows by 16     -              per 32, rows by 16, f16   -
+    Q8_X8            Q8_0, rows by 16           -              per 32, rows by 16, f16   -
     Q6               Q6_K low nibbles, in/2     2-bit highs    scale per 16              -
     DENSE            -                          -              -                         float32, in
 
-(pyml/runtime/gguf_quantized.py describes the layouts; "-" is an array of width 0.) Q8_0's int8
+(pyml/runtime/gguf_quantized.py describes the layouts; "-" is an array of width 0; "f16": float16
+values in pairs in the float32 array's bytes, quantized_dot.py says where.) Q8_0's int8
 values travel as their bytes: q8_row_dot loads them as signed 8-bit integers whatever the array's
 dtype says. The row dot products are pyml/package/quantized_dot.py's, so a quantized linear map
 is the same function here as in the quantized linear kernels (Lean law linear_input_adjoint's

@@ -44,7 +44,7 @@ from numba.extending import intrinsic
 QDOT_LANES = 16
 QDOT_PARTIAL_SUMS = 4
 QDOT_I8, QDOT_I32, QDOT_I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
-QDOT_F32 = ir.FloatType()
+QDOT_F32, QDOT_F16 = ir.FloatType(), ir.HalfType()
 
 
 def qdot_vector_type(element, lanes):
@@ -282,7 +282,10 @@ def q6_row_dot(typingctx, low, high, scale, x, row, sample):
 #   rows by 16, 4-bit (Q4_0, Q4_1): per group of 16 rows and block of 32 values, 4 runs of 64
 #     bytes, run j holding, for each row r in turn, bytes 4j .. 4j + 3 of that row's 16 (low
 #     nibbles: values 4j .. 4j + 3; high nibbles: values 16 + 4j ..); then the next block.
-#     Scales and offsets per group and block: the 16 rows' in turn.
+#     Scales and offsets per group and block: the 16 rows' in turn, as float16 (the GGUF's own
+#     precision: the rows of a token's products read the bytes the GGUF holds, 20 per 32 Q4_1
+#     weights instead of the 24 of float32 scales), a group's from the start of its 16 rows in
+#     an array of float32 columns, two float16 values each.
 #   rows by 16, 8-bit (Q8_0): likewise, 8 runs of 64 bytes per block, run j the 16 rows' values
 #     4j .. 4j + 3, read as w + 128 (unsigned) and the product corrected by 128 * sum(x).
 # A matrix's rows are padded with zero rows to a multiple of 16; the last group writes only the
@@ -333,6 +336,12 @@ def qdot_splat_lanes(builder, scalar, element):
                                   ir.Constant(qdot_vector_type(QDOT_I32, 16), [0] * 16))
 
 
+def qdot_halves(builder, group, block):
+    """The 16 rows' float16 scales (or offsets) of `block`, widened to float32 (exactly)."""
+    halves = qdot_load(builder, group, builder.mul(block, qdot_index(16)), QDOT_F16, 16)
+    return builder.fpext(halves, qdot_vector_type(QDOT_F32, 16))
+
+
 def qdot_int8_group(context, builder, signature, args, four_bit):
     """The 16 outputs of row group `group` (the argument before y) into y: the codegen of
     q4_q8_rows_by_16 (four_bit) and q8_q8_rows_by_16."""
@@ -346,10 +355,16 @@ def qdot_int8_group(context, builder, signature, args, four_bit):
     values, scale, y = data("values"), data("scale"), data("y")
     first_row = builder.mul(arrays["group"][1], qdot_index(QDOT_GROUP_ROWS))
     group_values = builder.gep(values.data, [builder.mul(first_row, builder.extract_value(values.shape, 1))])
-    # a group's scales start at its first row (the stack's rows may be wider than a layer's blocks)
+    # a group's float16 scales start at its first row (the stack's rows may be wider than a layer's
+    # blocks, and hold float32 columns: two float16 values each)
     scale_stride = builder.extract_value(scale.shape, 1)
-    group_scales = builder.gep(scale.data, [builder.mul(first_row, scale_stride)])
-    group_offsets = builder.gep(data("offset").data, [builder.mul(first_row, scale_stride)]) if four_bit else None
+
+    def group_halves(array):
+        start = builder.gep(array.data, [builder.mul(first_row, scale_stride)])
+        return builder.bitcast(start, QDOT_F16.as_pointer())
+
+    group_scales = group_halves(scale)
+    group_offsets = group_halves(data("offset")) if four_bit else None
     x_scale_array = data("x_scale")
     n_blocks = builder.extract_value(x_scale_array.shape, 1)
     x_values, x_scale, x_total = data("x_values").data, x_scale_array.data, data("x_total").data
@@ -383,12 +398,12 @@ def qdot_int8_group(context, builder, signature, args, four_bit):
             integers = builder.sub(integers, qdot_splat_lanes(builder, builder.mul(total, ir.Constant(QDOT_I32, 128)),
                                                                QDOT_I32))
         block_scale = qdot_splat_lanes(builder, builder.load(builder.gep(x_scale, [block])), QDOT_F32)
-        row_scales = qdot_load(builder, group_scales, builder.mul(block, qdot_index(16)), QDOT_F32, 16)
+        row_scales = qdot_halves(builder, group_scales, block)
         builder.store(builder.fadd(builder.load(products), builder.fmul(builder.sitofp(integers, float_lanes),
                                                                          builder.fmul(row_scales, block_scale))),
                       products)
         if four_bit:  # offset * the block's sum of activations, d * sum(q)
-            row_offsets = qdot_load(builder, group_offsets, builder.mul(block, qdot_index(16)), QDOT_F32, 16)
+            row_offsets = qdot_halves(builder, group_offsets, block)
             block_sum = builder.fmul(block_scale, qdot_splat_lanes(builder, builder.sitofp(total, QDOT_F32), QDOT_F32))
             builder.store(builder.fadd(builder.load(offsets), builder.fmul(row_offsets, block_sum)), offsets)
     result = builder.fadd(builder.load(products), builder.load(offsets))
@@ -411,8 +426,8 @@ def qdot_int8_group(context, builder, signature, args, four_bit):
 @intrinsic
 def q4_q8_rows_by_16(typingctx, values, scale, offset, x_values, x_scale, x_total, group, y):
     """y[0, 16 g .. 16 g + 15] = W x for g = `group`, W in 4 bits (Q4_0, Q4_1) repacked rows by 16
-    (values (rows padded, in / 2) uint8, scale and offset (rows padded, in / 32) float32, in the
-    order above) and x rounded by `round_activations_q8` (x_values (1, in) int8, x_scale (1, in /
+    (values (rows padded, in / 2) uint8, scale and offset float32 (rows padded, at least in / 64)
+    holding float16 pairs, in the order above) and x rounded by `round_activations_q8` (x_values (1, in) int8, x_scale (1, in /
     32) float32, x_total (1, in / 32) int32); y (1, rows) float32."""
     qdot_check(values, scale, offset, x_values, x_scale, x_total, y)
     return (types.none(values, scale, offset, x_values, x_scale, x_total, group, y),
@@ -422,7 +437,7 @@ def q4_q8_rows_by_16(typingctx, values, scale, offset, x_values, x_scale, x_tota
 @intrinsic
 def q8_q8_rows_by_16(typingctx, values, scale, x_values, x_scale, x_total, group, y):
     """As q4_q8_rows_by_16 for W in 8 bits (Q8_0): values (rows padded, in) int8 or its bytes,
-    scale (rows padded, in / 32) float32."""
+    scale float32 (rows padded, at least in / 64) holding float16 pairs."""
     qdot_check(values, scale, x_values, x_scale, x_total, y)
     return (types.none(values, scale, x_values, x_scale, x_total, group, y),
             lambda context, builder, signature, args: qdot_int8_group(context, builder, signature, args, False))

@@ -133,30 +133,48 @@ def rows_by_16(array: np.ndarray, per_block: int) -> np.ndarray:
 
 def with_int8_activations(weight: tuple) -> tuple:
     """`weight` with its Q4_0, Q4_1 and Q8_0 layers multiplying int8-rounded activations: their
-    values, scales and offsets repacked rows by 16, every array's rows padded to a multiple of 16
-    (the other kinds never read the padding). A layer's repacked group of 16 rows fills the start
-    of that group's 16 stack rows, which is where the kernel reads it."""
+    values, scales and offsets repacked rows by 16, the scales and offsets as float16 (the GGUF's
+    own precision, so the bytes a token reads are the GGUF's), every array's rows padded to a
+    multiple of 16 (the other kinds never read the padding). A layer's repacked group of 16 rows
+    fills the start of that group's 16 stack rows, which is where the kernel reads it; a scale or
+    offset stack that only those layers use is half as wide (float32 columns holding float16
+    pairs)."""
     kinds, *arrays = weight
     new_kinds = np.array([INT8_ACTIVATION_KINDS.get(int(kind), kind) for kind in kinds], np.int64)
+    repacked = np.isin(new_kinds, (Q4_RUNS_OF_16_X8, Q8_X8))
     rows = arrays[0].shape[1]
     padded_rows = -(-rows // QDOT_GROUP_ROWS) * QDOT_GROUP_ROWS
     stacks = []
-    for stack in arrays[:5]:  # packed, high, scale, offset, dense
-        padded = np.zeros((stack.shape[0], padded_rows, stack.shape[2]), stack.dtype)
-        padded[:, :rows] = stack
+    for index, stack in enumerate(arrays[:5]):  # packed, high, scale, offset, dense
+        width = stack.shape[2]
+        if index in (2, 3) and repacked.all():
+            width = -(-width // 2)
+        padded = np.zeros((stack.shape[0], padded_rows, width), stack.dtype)
+        if width == stack.shape[2]:
+            padded[:, :rows] = stack
         stacks.append(padded)
     packed, _, scale, offset, _ = stacks
     columns = arrays[5].shape[1]
     for layer, kind in enumerate(new_kinds):
-        if kind not in (Q4_RUNS_OF_16_X8, Q8_X8):
+        if not repacked[layer]:
             continue
         value_width = columns // 2 if kind == Q4_RUNS_OF_16_X8 else columns
-        targets = [(packed, value_width, 16 if kind == Q4_RUNS_OF_16_X8 else 32), (scale, columns // 32, 1)]
+        targets = [(packed, arrays[0], value_width, 16 if kind == Q4_RUNS_OF_16_X8 else 32),
+                   (scale, arrays[2], columns // 32, 1)]
         if kind == Q4_RUNS_OF_16_X8:
-            targets.append((offset, columns // 32, 1))
-        for stack, width, per_block in targets:
-            groups = stack[layer].reshape(padded_rows // QDOT_GROUP_ROWS, -1)
-            groups[:, :QDOT_GROUP_ROWS * width] = rows_by_16(stack[layer, :rows, :width], per_block)
+            targets.append((offset, arrays[3], columns // 32, 1))
+        for target, source, width, per_block in targets:
+            groups = target[layer].reshape(padded_rows // QDOT_GROUP_ROWS, -1)
+            order = rows_by_16(source[layer, :rows, :width], per_block)
+            if per_block == 1:
+                with np.errstate(over="ignore"):  # an overflow is refused just below
+                    halves = order.astype(np.float16)
+                if not np.array_equal(halves.astype(np.float32), order, equal_nan=True):
+                    raise PymlError("a Q4_0, Q4_1 or Q8_0 block's scale or offset is not a float16 "
+                                    "value (out of its range): leave out --activations q8_0")
+                groups, order = groups.view(np.float16), halves
+                groups[:] = 0  # the float32 values this layer's rows held
+            groups[:, :order.shape[1]] = order
     return (new_kinds, *stacks, *arrays[5:])
 
 
