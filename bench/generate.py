@@ -88,14 +88,16 @@ def transformers_run(model, ids, new_tokens):
 
 
 def llamacpp_model(gguf: Path, n_ctx: int, n_batch: int, threads: int, extra_buffer_types: bool):
-    """llama.cpp on the shipped GGUF, in two configurations, because on the development machine
-    (2026-12-01, llama-cpp-python 0.3.36 built for its AVX-512 and AMX) its defaults crash on a
+    """llama.cpp on the shipped GGUF, in two configurations, because on a development machine with
+    AMX (2026-12-01, llama-cpp-python 0.3.36 built for its AVX-512 and AMX) its defaults crash on a
     batch of more than one token (a general protection fault in libggml-cpu's AMX product) but
     decode one token at a time at their full speed:
-    - defaults (its extra buffer types: the weights repacked for AMX), the prompt evaluated one
-      token at a time: llama.cpp's fastest decode on this machine;
+    - defaults (its extra buffer types: the weights repacked for AMX where the CPU has it; without
+      AMX its repacking covers other formats than SmolLM2's Q4_1, so both rows decode alike), the
+      prompt evaluated one token at a time: llama.cpp's fastest decode on an AMX machine;
     - extra buffer types off, the prompt in one batch: its batched prefill (AVX-512 VNNI dot
-      products), and a slower decode."""
+      products), and a slower decode where AMX was on.
+    The report names the CPU and llama.cpp's backend, since the ratios depend on them."""
     import llama_cpp.llama_cpp as bindings
     from llama_cpp import Llama
 
@@ -152,7 +154,7 @@ def run_system(system: str, model_name: str, new_tokens: int, repeats: int) -> d
     tokenizer = generation.load_tokenizer(model_dir)
     chat = model_name == "smollm2"  # Gemma 3 270M has no chat template
     ids = generation.prompt_ids(model_dir, tokenizer, PROMPT, chat=chat)
-    formats = None
+    formats = backend = None
     if system in ("ours", "ours_quantized", "ours_int8"):
         spec = ROOT / "specs" / f"{bench_model.spec}.toml"
         if system == "ours":
@@ -170,6 +172,9 @@ def run_system(system: str, model_name: str, new_tokens: int, repeats: int) -> d
                                os.cpu_count(), extra_buffer_types=not batched)
         stop = generation.eos_ids(model_dir)
         run = lambda: llamacpp_run(model, ids, new_tokens, stop)  # noqa: E731
+        from llama_cpp.llama_cpp import llama_print_system_info
+
+        backend = llama_print_system_info().decode().strip(" |")  # which of its kernels it built
     else:
         import torch
         from transformers import AutoModelForCausalLM
@@ -192,7 +197,7 @@ def run_system(system: str, model_name: str, new_tokens: int, repeats: int) -> d
             "prefill_tokens_per_s": statistics.median(r[0] for r in runs),
             "decode_tokens_per_s": statistics.median(r[1] for r in runs),
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "thread_pools": thread_pools(), "formats": formats}
+            "thread_pools": thread_pools(), "formats": formats, "backend": backend}
 
 
 def leading_agreement(tokens: list[int], reference: list[int]) -> int:
@@ -231,18 +236,20 @@ def main() -> None:
     reference = results["transformers"]["tokens"]
     same = all(results[name]["tokens"] == reference[: len(results[name]["tokens"])]
                for name in ("ours", "ours_quantized"))
+    from train_step import machine_description
+
     report = {
-        "model": args.model, "date": date.today().isoformat(),
+        "model": args.model, "date": date.today().isoformat(), "machine": machine_description(),
         "prompt_tokens": results["ours"]["prompt_tokens"], "new_tokens": len(results["ours"]["tokens"]), "outputs_identical": same,
         "systems": {name: {"name": SYSTEMS[name].format(formats=result["formats"]),
                            "leading_tokens_equal_to_transformers": leading_agreement(result["tokens"], reference),
                            **{key: result[key] for key in ("prefill_tokens_per_s", "decode_tokens_per_s",
-                                                           "peak_rss_mib", "thread_pools", "tokens")}}
+                                                           "peak_rss_mib", "thread_pools", "tokens", "backend")}}
                     for name, result in results.items()},
     }
     title = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "Gemma 3 270M"}[args.model]
     lines = [f"{title} generation, greedy with a KV cache, {report['date']}: "
-             f"{report['prompt_tokens']} prompt tokens, {report['new_tokens']} new tokens, "
+             f"{report['machine']}; {report['prompt_tokens']} prompt tokens, {report['new_tokens']} new tokens, "
              f"pyml's tokens (float32 and as-stored rows) identical to transformers': {same}.",
              "", "| system | prefill tokens/s | decode tokens/s | peak RSS MiB | leading tokens equal to transformers' |",
              "| --- | --- | --- | --- | --- |"]
@@ -252,6 +259,8 @@ def main() -> None:
                      f"{result['leading_tokens_equal_to_transformers']} of {len(result['tokens'])} |")
     lines += [""] + [f"Thread pools, {result['name']}: {result['thread_pools']}."
                      for result in report["systems"].values()]
+    if "llamacpp" in results:
+        lines += ["", f"llama.cpp's CPU backend (llama_print_system_info): {results['llamacpp']['backend']}."]
     if "llamacpp" not in results:
         lines += ["", "llama.cpp not run: `make bench-llamacpp` installs llama-cpp-python."]
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -239,6 +239,24 @@ WORKERS = {"ours": lambda model: Alone("ours", lambda: Ours(model)),
            "peft": lambda model: Alone("peft", lambda: PeftLora(model))}
 
 
+def machine_description() -> str:
+    """The CPU and its cores, with the matrix extensions that decide which kernels llama.cpp and
+    the BLAS pick (the same benchmark gives other ratios on a CPU with AMX than on one without)."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:  # not Linux: the platform's name is all there is
+        pass
+    extensions = [flag for flag in ("avx2", "avx512f", "avx512_vnni", "amx_int8") if flag in flags]
+    return f"{name} ({', '.join(extensions) or 'no AVX2'}), {os.cpu_count()} cores"
+
+
 def model_spec(model: BenchModel):
     from pyml.spec import load_spec
 
@@ -402,7 +420,7 @@ def main() -> None:
     report = {
         "model": model.title,
         "date": date.today().isoformat(),
-        "machine": f"{platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores",
+        "machine": machine_description(),
         "versions": {"python": platform.python_version(), "numpy": np.__version__,
                      "numba": numba.__version__, "torch": torch.__version__,
                      "transformers": transformers.__version__},
