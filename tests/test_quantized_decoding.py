@@ -25,6 +25,7 @@ from quantized_cases import (
     case_step_two_kinds_in_one_stack,
     exact_weights,
     gguf_weights,
+    step_layer,
 )
 
 from gen.llama_tiny import model as tiny
@@ -108,11 +109,7 @@ def test_int8_layers_share_a_stack_with_float_activation_layers():
     scales from the start of its rows, and both layers equal their exact matVec."""
     rng = np.random.default_rng(12)
     rows, columns = 37, 256
-    layers = []
-    for ggml in (GGML.Q4_1, GGML.Q4_K):
-        raw, weights = exact_weights(ggml, rows, columns, rng)
-        arrays = kept_arrays(GGMLType(int(ggml)), quantized_matrix(raw, ggml, (rows, columns)).arrays)
-        layers.append((STEP_KINDS[GGMLType(int(ggml))], arrays, weights))
+    layers = [step_layer(ggml, rows, columns, rng) for ggml in (GGML.Q4_1, GGML.Q4_K)]
     weight = with_int8_activations(weight_tuple([kind for kind, _, _ in layers],
                                                 [arrays for _, arrays, _ in layers], rows, columns))
     assert weight[3].shape[2] == columns // 32

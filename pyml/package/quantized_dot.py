@@ -427,8 +427,8 @@ def qdot_int8_group(context, builder, signature, args, four_bit):
 def q4_q8_rows_by_16(typingctx, values, scale, offset, x_values, x_scale, x_total, group, y):
     """y[0, 16 g .. 16 g + 15] = W x for g = `group`, W in 4 bits (Q4_0, Q4_1) repacked rows by 16
     (values (rows padded, in / 2) uint8, scale and offset float32 (rows padded, at least in / 64)
-    holding float16 pairs, in the order above) and x rounded by `round_activations_q8` (x_values (1, in) int8, x_scale (1, in /
-    32) float32, x_total (1, in / 32) int32); y (1, rows) float32."""
+    holding float16 pairs, in the order above) and x rounded by `round_activations_q8` (x_values
+    (1, in) int8, x_scale (1, in / 32) float32, x_total (1, in / 32) int32); y (1, rows) float32."""
     qdot_check(values, scale, offset, x_values, x_scale, x_total, y)
     return (types.none(values, scale, offset, x_values, x_scale, x_total, group, y),
             lambda context, builder, signature, args: qdot_int8_group(context, builder, signature, args, True))
