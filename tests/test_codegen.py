@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from pyml.codegen import render
-from pyml.codegen.lean_instances import split_statement, substitute
+from pyml.codegen.lean_instances import substitute
+from pyml.codegen.lean_syntax import Binder, Name, parse_signature, parse_term, print_term
 from pyml.codegen.lower import KIND_LAWS, MODEL_LAWS, PIECE_LAWS
 from pyml.laws import load_law_index
 
@@ -42,11 +43,13 @@ def test_a_law_instance_is_the_law_at_the_spec_dims():
     assert "theorem fc1_linear_weight_adjoint_weight {T : Nat} (G : Mat T 128) (X : Mat T 64)" in lean
 
 
-def test_statement_splitting_and_substitution():
-    binders, conclusion = split_statement(LAWS["hadamard_adjoint"].statement)
-    assert binders == ["{n : Nat}", "(g a b : Vec n)"]
+def test_statement_parsing_and_substitution():
+    binders, conclusion = parse_signature(LAWS["hadamard_adjoint"].statement)
+    assert binders == (Binder(("n",), Name("Nat"), "{"), Binder(("g", "a", "b"), parse_term("Vec n")))
     assert substitute(conclusion, {"n": 7}) == conclusion  # no dim in the conclusion
-    assert substitute("(c s g₁ : Vec n) (hn : n = n)", {"n": 32}) == "(c s g₁ : Vec 32) (hn : 32 = 32)"
+    # a dim is replaced where it is a name, not inside other names (`n₁`, `fn`) or a bound variable
+    term = parse_term("Vec n → Fin n₁ → fn n = (fun n => n) 1")
+    assert print_term(substitute(term, {"n": 32})) == "Vec 32 → Fin n₁ → fn 32 = (fun n => n) 1"
 
 
 def kernel_calls(source: str, function: str) -> list[str]:

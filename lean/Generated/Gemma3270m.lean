@@ -16,7 +16,7 @@ def blocks : Nat → Chain 640 640
   | n + 1 => block.append (blocks n)
 
 def skeleton : Chain 640 262144 :=
-  .layer (Layer.gain 640) .nil.append (blocks 18).append (.layer (Layer.gain 640) (.layer (Layer.dense 640 262144) .nil))
+  .layer (Layer.gain 640) ((blocks 18).append (.layer (Layer.gain 640) (.layer (Layer.dense 640 262144) .nil)))
 
 /-- The skeleton's backward map is the adjoint of its forward map. -/
 theorem skeleton_adjoint : IsAdjoint skeleton.forward skeleton.backward :=

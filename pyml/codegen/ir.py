@@ -89,6 +89,29 @@ class Op:
     instances: tuple[Instance, ...] = ()
 
 
+@dataclass(frozen=True)
+class Link:
+    """One link of the spec's Lean skeleton (the value path through the model): a dense layer
+    (`dims` = (in, out)), an element-wise gain (`dims` = (width,)) or a residual around `body`."""
+
+    kind: str  # "dense", "gain" or "residual"
+    dims: tuple[int, ...] = ()
+    body: tuple[Link, ...] = ()
+
+
+@dataclass(frozen=True)
+class Skeleton:
+    """The spec's Lean skeleton: the links of `start`, then the decoder block's links composed
+    `n_blocks` times (none for a sequential model), then those of `end`; from width `dims[0]` to
+    `dims[1]`. `pyml.codegen.lean_instances` writes it as Lean terms."""
+
+    start: tuple[Link, ...]
+    block: tuple[Link, ...]
+    n_blocks: int
+    end: tuple[Link, ...]
+    dims: tuple[int, int]
+
+
 @dataclass
 class Graph:
     """A lowered spec: the ops of the model in forward order (`head`, then `block` repeated
@@ -105,8 +128,7 @@ class Graph:
     n_layers: int
     kernel_blocks: list[tuple[str, dict]]
     constants: dict  # module constants of the generated model (dims, per-layer tables)
-    skeleton: str  # the Lean skeleton's definitions
-    skeleton_dims: tuple[int, int]  # its input and output widths
+    skeleton: Skeleton
     input: str  # the value the batch is loaded into (ids or features)
     logits: str
     rope_tables: list[tuple[str, int]] = field(default_factory=list)  # (kernel prefix, half head_dim)

@@ -10,7 +10,7 @@ and q, k and v are heads of one buffer, viewed as (B, T, heads, head_dim) by att
 
 from __future__ import annotations
 
-from pyml.codegen.ir import Graph, Instance, Op, Param, Storage, Value
+from pyml.codegen.ir import Graph, Instance, Link, Op, Param, Skeleton, Storage, Value
 from pyml.errors import PymlError
 from pyml.spec.layers import (
     GELU,
@@ -65,12 +65,12 @@ def gain_instance(layer: str, width: int, what: str) -> Instance:
     return Instance(layer, "hadamard_adjoint", {"n": width}, f"{layer}: {what}")
 
 
-def nest(parts: list[str]) -> str:
-    """[".layer a", ".residual b"] -> ".layer a (.residual b .nil)"."""
-    text = ".nil"
-    for part in reversed(parts):
-        text = f"{part} ({text})" if text != ".nil" else f"{part} .nil"
-    return text
+def dense(fan_in: int, fan_out: int) -> Link:
+    return Link("dense", (fan_in, fan_out))
+
+
+def gain(width: int) -> Link:
+    return Link("gain", (width,))
 
 
 class Lowering:
@@ -290,11 +290,11 @@ class Lowering:
 
     # -- compositions ---------------------------------------------------------------------------
 
-    def block_items(self, items, x: str, n_layers: int) -> tuple[list[Op], str, list[str]]:
-        """Ops of a block's layers applied to `x`, their output, and the Lean chain parts of the
-        block's value path."""
+    def block_items(self, items, x: str, n_layers: int) -> tuple[list[Op], str, list[Link]]:
+        """Ops of a block's layers applied to `x`, their output, and the Lean skeleton's links of
+        the block's value path."""
         ops: list[Op] = []
-        chain: list[str] = []
+        chain: list[Link] = []
         for item in items:
             layer, name = item.layer, item.name
             prefix = f"model.layers.{{l}}.{name}"
@@ -302,31 +302,28 @@ class Lowering:
                 body_ops, body_out, body_chain = self.block_items(item.body, x, n_layers)
                 op, x = self.residual(name, x, body_out)
                 ops += [*body_ops, op]
-                chain.append(f".residual ({nest(body_chain)})")
+                chain.append(Link("residual", body=tuple(body_chain)))
             elif isinstance(layer, RMSNorm):
                 op, x = self.rmsnorm(name, layer, x, f"{prefix}.weight")
                 ops.append(op)
-                chain.append(f".layer (Layer.gain {layer.dim})")
+                chain.append(gain(layer.dim))
             elif isinstance(layer, Attention):
                 new_ops, x = self.attention(name, layer, x, n_layers, prefix)
                 ops += new_ops
                 q_dim, kv_dim = layer.n_heads * layer.head_dim, layer.n_kv_heads * layer.head_dim
                 # the value path per token: v projection, the heads' mixing (each kv head serving
                 # its group of query heads), the output projection
-                chain += [f".layer (Layer.dense {layer.dim} {kv_dim})",
-                          f".layer (Layer.dense {kv_dim} {q_dim})",
-                          f".layer (Layer.dense {q_dim} {layer.dim})"]
+                chain += [dense(layer.dim, kv_dim), dense(kv_dim, q_dim), dense(q_dim, layer.dim)]
             elif isinstance(layer, MLP):
                 new_ops, x = self.mlp(name, layer, x, prefix)
                 ops += new_ops
-                chain += [f".layer (Layer.dense {layer.dim} {layer.hidden})",
-                          f".layer (Layer.gain {layer.hidden})",
-                          f".layer (Layer.dense {layer.hidden} {layer.dim})"]
+                chain += [dense(layer.dim, layer.hidden), gain(layer.hidden),
+                          dense(layer.hidden, layer.dim)]
         return ops, x, chain
 
-    def sequential_layers(self, layers, x: str, place: str) -> tuple[list[Op], str, list[str]]:
+    def sequential_layers(self, layers, x: str, place: str) -> tuple[list[Op], str, list[Link]]:
         ops: list[Op] = []
-        chain: list[str] = []
+        chain: list[Link] = []
         for index, layer in enumerate(layers):
             name = layer.name or f"{place}{index}"
             width = self.features(x)
@@ -334,23 +331,23 @@ class Lowering:
                 body_ops, body_out, body_chain = self.sequential_layers(layer.body, x, f"{name}_body")
                 op, x = self.residual(name, x, body_out)
                 ops += [*body_ops, op]
-                chain.append(f".residual ({nest(body_chain)})")
+                chain.append(Link("residual", body=tuple(body_chain)))
             elif isinstance(layer, Linear):
                 op, x = self.linear(name, x, layer.out_features, layer.bias,
                                     [(name, 0, layer.out_features)], init="uniform")
                 ops.append(op)
-                chain.append(f".layer (Layer.dense {layer.in_features} {layer.out_features})")
+                chain.append(dense(layer.in_features, layer.out_features))
             elif isinstance(layer, RMSNorm):
                 op, x = self.rmsnorm(name, layer, x, f"{name}.weight")
                 ops.append(op)
-                chain.append(f".layer (Layer.gain {layer.dim})")
+                chain.append(gain(layer.dim))
             elif isinstance(layer, (ReLU, GELU, SiLU)):
                 y = self.storage(f"{name}_out", ("N", width))
                 self.kernel(layer.kind, {"p": name})
                 ops.append(Op(layer.kind, name, (x,), (y,), instances=(gain_instance(
                     name, width, f"{layer.kind}: its derivative at the input is an element-wise gain"),)))
                 x = y
-                chain.append(f".layer (Layer.gain {width})")
+                chain.append(gain(width))
         return ops, x, chain
 
     def loss(self, logits: str, classes: int) -> Op:
@@ -365,15 +362,15 @@ def rename_output(ops: list[Op], old: str, new: str) -> None:
         op.inputs = tuple(new if value == old else value for value in op.inputs)
 
 
-def finish(lowering: Lowering, form: str, head, block, tail, n_layers, constants, skeleton,
-           dims, input_value, logits) -> Graph:
+def finish(lowering: Lowering, form: str, head, block, tail, n_layers, constants,
+           skeleton: Skeleton, input_value, logits) -> Graph:
     theta_blocks = [(f"rope_table{index}", head_dim // 2)
                     for index, (_, head_dim) in enumerate(lowering.rope_thetas)]
     return Graph(
         form=form, storages=lowering.storages, values=lowering.values, params=lowering.params,
         head=head, block=block, tail=tail, n_layers=n_layers,
         kernel_blocks=list(lowering.kernel_blocks.values()),
-        constants={**constants, **lowering.constants}, skeleton=skeleton, skeleton_dims=dims,
+        constants={**constants, **lowering.constants}, skeleton=skeleton,
         input=input_value, logits=logits, rope_tables=theta_blocks,
         attention_caches=lowering.attention_caches,
     )
@@ -384,10 +381,9 @@ def lower_sequential(spec: SequentialModel) -> Graph:
     x = lowering.storage("inputs", ("N", spec.input_dim))
     ops, logits, chain = lowering.sequential_layers(spec.layers, x, "layer")
     ops.append(lowering.loss(logits, spec.output_dim))
-    skeleton = f"def skeleton : Chain {spec.input_dim} {spec.output_dim} :=\n  {nest(chain)}"
+    skeleton = Skeleton(tuple(chain), (), 0, (), (spec.input_dim, spec.output_dim))
     constants = {"INPUT_DIM": spec.input_dim, "OUTPUT_DIM": spec.output_dim}
-    return finish(lowering, "sequential", ops, [], [], 0, constants, skeleton,
-                  (spec.input_dim, spec.output_dim), x, logits)
+    return finish(lowering, "sequential", ops, [], [], 0, constants, skeleton, x, logits)
 
 
 def lower_decoder(spec: DecoderModel) -> Graph:
@@ -438,28 +434,17 @@ def lower_decoder(spec: DecoderModel) -> Graph:
                      instances=linear_instances("lm_head", dim, vocab, False))
     tail = [norm_op, head_op, lowering.loss(logits, vocab)]
 
-    start = [f".layer (Layer.gain {dim})"] if scale != 1.0 else []
-    skeleton = "\n".join([
-        "/-- One decoder block: its layers' value path, composed as the spec composes them. -/",
-        f"def block : Chain {dim} {dim} :=",
-        f"  {nest(block_chain)}",
-        "",
-        "/-- `n` blocks, each with its own weights in the model, composed with `Chain.append`. -/",
-        f"def blocks : Nat → Chain {dim} {dim}",
-        "  | 0 => .nil",
-        "  | n + 1 => block.append (blocks n)",
-        "",
-        f"def skeleton : Chain {dim} {vocab} :=",
-        f"  {nest(start) + '.append ' if start else ''}(blocks {n_layers}).append "
-        f"(.layer (Layer.gain {dim}) (.layer (Layer.dense {dim} {vocab}) .nil))",
-    ])
+    # the embedding's scale is a gain on the value path; the final norm's gain and the head end it
+    start = (gain(dim),) if scale != 1.0 else ()
+    skeleton = Skeleton(start, tuple(block_chain), n_layers, (gain(dim), dense(dim, vocab)),
+                        (dim, vocab))
     constants = {"VOCAB": vocab, "DIM": dim, "N_LAYERS": n_layers, "MAX_SEQ_LEN": spec.max_seq_len,
                  "TIED_HEAD": spec.lm_head.tied}
     for index, (theta, head_dim) in enumerate(lowering.rope_thetas):
         lowering.kernel("rope", {"p": f"rope_table{index}", "head_dim": head_dim,
                                  "theta": theta, "max_seq_len": spec.max_seq_len})
     return finish(lowering, "decoder", head, block_ops, tail, n_layers, constants, skeleton,
-                  (dim, vocab), ids, logits)
+                  ids, logits)
 
 
 def lower(spec: SequentialModel | DecoderModel) -> Graph:
