@@ -24,7 +24,7 @@ _BINDERS = [
     re.compile(rf"[({{⦃]\s*((?:{IDENT}\s+)*{IDENT})\s*:(?!=)"),  # (a b : T), {n : Nat}
     re.compile(rf"\bfun\s+((?:{IDENT}\s+)*{IDENT})\s*=>"),
     re.compile(rf"∀\s+((?:{IDENT}\s+)*{IDENT})\s*[:,]"),
-    re.compile(rf"\bintro\s+((?:{IDENT}[ \t]+)*{IDENT})"),
+    re.compile(rf"\bintro[ \t]+((?:{IDENT}[ \t]+)*{IDENT})"),
     re.compile(rf"\b(?:have|by_cases)\s+({IDENT})\s*:"),
 ]
 _PATTERN = re.compile(r"^\s*\|(.*?)=>", re.MULTILINE)  # a match alternative's patterns

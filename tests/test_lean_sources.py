@@ -2,6 +2,9 @@
 axiom, every law's axioms printed by the build, the law index as expected, one pinned release."""
 
 import re
+import tomllib
+
+from lean_core_names import core_names
 from pyml.laws import LEAN_DIR, load_law_index
 
 FORBIDDEN = re.compile(r"\b(sorry|admit|axiom)\b")
@@ -66,3 +69,30 @@ def test_one_pinned_stable_release():
     assert re.fullmatch(r"leanprover/lean4:v4\.\d+\.\d+", pin), pin
     assert (LEAN_DIR / "lakefile.lean").is_file()
     assert (LEAN_DIR / "Generated").is_dir()  # the Generated library's glob reads this folder
+
+
+def listed_core_names() -> dict[str, dict]:
+    entries = tomllib.loads((LEAN_DIR / "core_names.toml").read_text(encoding="utf-8"))["name"]
+    return {entry["used_as"]: entry for entry in entries}
+
+
+def test_every_core_name_the_proofs_use_is_confirmed():
+    """lean/core_names.toml lists every Lean core name lean/PyML uses and where it was confirmed;
+    a proof that brings in another name fails here until it is looked up and listed."""
+    listed = listed_core_names()
+    used = core_names(LEAN_DIR)
+    unlisted = {name: sorted(files) for name, files in used.items() if name not in listed}
+    assert not unlisted, f"core names used but not confirmed in lean/core_names.toml: {unlisted}"
+    assert set(listed) <= set(used), f"listed but no longer used: {set(listed) - set(used)}"
+    for entry in listed.values():
+        assert entry["source"] and entry["declared"] and entry["statement"], entry
+
+
+def test_the_core_name_scan_finds_a_new_name(tmp_path):
+    (tmp_path / "PyML").mkdir()
+    (tmp_path / "PyML" / "L.lean").write_text(
+        "namespace PyML\n\ntheorem t (a b : Int) : a + b = b + a := by\n"
+        "  intro\n  exact (Int.add_comm' a b).symm.trans rfl\n\nend PyML\n")
+    used = core_names(tmp_path)
+    assert {"Int.add_comm'", ".symm", ".trans", "rfl", "exact", "Int"} <= set(used)
+    assert not {"a", "b", "t"} & set(used)
