@@ -85,7 +85,9 @@ def worker(args) -> None:
     from pyml.runtime.train import StopRequest
 
     with process_group(args.shard) as group:
-        import gen.smollm2_135m as package
+        import pyml
+
+        package = pyml.compile(ROOT / "specs" / "smollm2_135m.toml")
         from bench.train_step import corpus_batches
 
         model = Timed(package.Model.from_safetensors(MODEL_DIR), "loss_and_grads")

@@ -60,7 +60,7 @@ LORA_ROWS = ("lora", "peft")  # compared with each other, not with the full fine
 @dataclass(frozen=True)
 class BenchModel:
     """A shipped model: its name in tables, its folder under models/, its spec (specs/<spec>.toml,
-    run by gen.<spec>), the module that finds its GGUF, and the learning rate of the steps."""
+    run by the package of specs/<spec>.toml), the module that finds its GGUF, and the learning rate of the steps."""
 
     title: str
     folder: str
@@ -110,7 +110,9 @@ class Ours:
     name = "pyml (generated, Numba CPU)"
 
     def __init__(self, model: BenchModel):
-        package = importlib.import_module(f"gen.{model.spec}")
+        import pyml
+
+        package = pyml.compile(ROOT / "specs" / f"{model.spec}.toml")
         self.package = package
         self.model = package.Model.from_safetensors(model.dir)
         self.optimizer = package.AdamW(self.model, lr=model.lr, betas=BETAS, eps=EPS,

@@ -1,15 +1,14 @@
 import Lake
 open Lake DSL
 
--- The pyml proofs: core Lean only, no dependencies, so `lake build` takes seconds.
-package pyml
+-- The theorem instances `pyml gen` writes under Generated/ for this project's specs, built
+-- against pyml's laws. `pyml prove` copies the laws of the installed pyml into .pyml-laws/
+-- before it builds, so they are the ones the generated code was checked against.
+package pyml_project
 
--- The exact model, the laws and their proofs (hand-written).
-@[default_target]
-lean_lib PyML
+require pyml from "."/".pyml-laws"
 
--- The per-spec theorem instances the generator emits under `Generated/`. The glob reads that
--- folder, so it must exist (it holds a `.gitkeep`); with no `.lean` file in it the library is empty.
+-- The glob reads Generated/, which must exist (it holds a .gitkeep).
 @[default_target]
 lean_lib Generated where
   globs := #[.submodules `Generated]

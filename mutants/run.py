@@ -53,7 +53,7 @@ TREE, BASE_CACHE, MUTANT_CACHE, TMP = (SCRATCH / name for name in ("tree", "numb
 KILLERS = SCRATCH / "killers.json"  # the test that killed each mutant last time, tried first next time
 BASELINE_TIMES = SCRATCH / "baseline.xml"
 # a file under these is read by the generator: mutating it means regenerating gen/ and lean/Generated/
-GENERATOR_INPUTS = ("pyml/codegen/", "pyml/package/", "pyml/spec/", "specs/", "lean/PyML/")
+GENERATOR_INPUTS = ("pyml/codegen/", "pyml/package/", "pyml/spec/", "specs/", "pyml/lean/")
 GENERATED = ("gen", "lean/Generated")
 COMPILED = re.compile(r"@(?:numba\.)?(?:njit|jit|cuda\.jit|vectorize|guvectorize|stencil)\b|@overload\b")
 PYTEST = [sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow", "-p", "no:cacheprovider"]

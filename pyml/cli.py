@@ -45,49 +45,104 @@ def user_errors(command: Callable) -> Callable:
 
 @app.command()
 @user_errors
+def init(
+    folder: Annotated[Path, typer.Argument(help="A new or empty folder for the project.")],
+) -> None:
+    """Make a pyml project in FOLDER: specs/ with an example spec, gen/ for the packages `pyml gen`
+    writes, and lean/, a Lake package of the generated theorem instances that requires pyml's
+    laws, so `pyml prove` there checks them."""
+    from pyml.project import init_project
+
+    for written in init_project(folder):
+        print(f"wrote {written}")
+    print(f"next: cd {folder} && pyml gen specs/my_decoder.toml && pyml check")
+
+
+@app.command()
+@user_errors
 def gen(
     specs: Annotated[list[Path], typer.Argument(help="Spec files (TOML) to generate code for.")],
-    out: Annotated[Path, typer.Option(help="Project root that holds gen/ and lean/Generated/.")] = ROOT,
+    out: Annotated[Path | None, typer.Option(help="The project to write into. Default: the project whose specs/ holds the spec.")] = None,
 ) -> None:
-    """Check each spec's shapes, then write its kernels to gen/<name>/ and its Lean instances to
-    lean/Generated/."""
+    """Check each spec's shapes, then write its package to gen/<name>/ and its Lean instances to
+    lean/Generated/ of its project (the folder whose specs/ holds it, or --out). A spec outside
+    any project is generated into pyml's cache instead, where `pyml.compile` finds it."""
     from pyml.codegen.emit import describe_size, write_generated
+    from pyml.packages import cached_package
+    from pyml.project import project_root, spec_project
     from pyml.spec import load_spec
 
     loaded = [load_spec(path) for path in specs]  # every spec is checked before anything is written
     for path, spec in zip(specs, loaded):
-        for written in write_generated(spec, path, out):
-            print(f"wrote {written}")
+        root = project_root(out) if out is not None else spec_project(path)
+        if root is None:
+            entry, _ = cached_package(spec, path.read_text(encoding="utf-8"))
+            print(f"{path} is in no pyml project (`pyml init` makes one): generated into the "
+                  f"cache, {entry}; `pyml.compile({str(path)!r})` imports it")
+        else:
+            for written in write_generated(spec, path, root):
+                print(f"wrote {written}")
         print(describe_size(spec))
 
 
 @app.command()
 @user_errors
 def check(
-    root: Annotated[Path, typer.Option(help="Project root with specs/, gen/ and lean/.")] = ROOT,
+    root: Annotated[Path | None, typer.Option(help="The project to check. Default: the one around the working directory.")] = None,
 ) -> None:
-    """Regenerate every spec in specs/ and compare with gen/ and lean/Generated/; exit 1 on drift."""
+    """Regenerate every spec in the project's specs/ and compare with gen/ and lean/Generated/;
+    exit 1 on drift."""
     from pyml.codegen.drift import find_drift
+    from pyml.project import project_root
 
-    drifts = find_drift(root)
+    drifts = find_drift(project_root(root))
     if drifts:
         print(f"pyml check: {len(drifts)} generated file(s) drifted:", file=sys.stderr)
         for drift in drifts:
             print(f"  {drift}", file=sys.stderr)
-        print("run `make gen` to regenerate (and never edit gen/ or lean/Generated/ by hand)",
-              file=sys.stderr)
+        print("run `pyml gen specs/*.toml` to regenerate (and never edit gen/ or lean/Generated/ "
+              "by hand)", file=sys.stderr)
         raise typer.Exit(1)
     print("pyml check: everything generated matches specs/, the templates and the Lean laws")
 
 
 @app.command()
+@user_errors
 def prove(
-    lean_dir: Annotated[Path, typer.Option(help="The Lake package to build.")] = ROOT / "lean",
+    root: Annotated[Path | None, typer.Option(help="The project whose instances to check. Default: the one around the working directory; outside any, pyml's laws alone.")] = None,
 ) -> None:
-    """Check the Lean proofs with `lake build` (needs elan or lake on the PATH)."""
+    """Check the Lean proofs with `lake build` (needs elan or lake on the PATH): pyml's laws,
+    then the project's generated instances against them."""
+    from pyml.project import find_project, project_root
     from pyml.prove import prove as run_lake_build
 
-    raise typer.Exit(run_lake_build(lean_dir))
+    raise typer.Exit(run_lake_build(project_root(root) if root is not None else find_project()))
+
+
+cache_app = typer.Typer(help="pyml's cache of generated packages (PYML_CACHE, default ~/.cache/pyml).",
+                        no_args_is_help=True)
+app.add_typer(cache_app, name="cache")
+
+
+@cache_app.command("list")
+@user_errors
+def cache_list() -> None:
+    """The generated packages in the cache: spec name, key, size, folder."""
+    from pyml.cache import cache_dir, entries
+
+    found = entries()
+    for entry in found:
+        print(f"{entry.name}  {entry.key}  {entry.size / 2**20:.1f} MiB  {entry.path}")
+    print(f"{len(found)} package(s) in {cache_dir()}")
+
+
+@cache_app.command("clear")
+@user_errors
+def cache_clear() -> None:
+    """Remove every generated package and Numba's compiled code from the cache."""
+    from pyml.cache import cache_dir, clear
+
+    print(f"removed {clear()} package(s) from {cache_dir()}")
 
 
 class ShippedModel(str, Enum):
@@ -162,8 +217,8 @@ def generate(
     weights: Annotated[str, typer.Option(help="The linear maps' weights while decoding: as-stored (as the GGUF the folder was imported from stores them; float32 for a folder without one), q8_0, q4_0 or q4_1 (quantized from the float32 weights), or f32. Quantized weights run the generated decode step of the --device.")] = "as-stored",
     activations: Annotated[str, typer.Option(help="What quantized weights multiply: f32, or q8_0 (rounded to int8 per 32 values as llama.cpp does: faster, less exact, so tokens may differ). Q4_0, Q4_1 and Q8_0 weights only, on the CPU.")] = "f32",
 ) -> None:
-    """Generate text with the generated package of the folder's spec (gen/<name>/) and a KV cache,
-    streaming tokens as they come."""
+    """Generate text with the generated package of the folder's spec and a KV cache, streaming
+    tokens as they come."""
     from pyml.runtime import generate as generation
     from pyml.runtime.quantized_decoding import QuantizedDecoder, check_weights
 
@@ -186,7 +241,7 @@ def generate(
 @app.command()
 @user_errors
 def train(
-    spec: Annotated[Path, typer.Option(help="The spec to train; its package gen/<name>/ must exist (`pyml gen SPEC`).")],
+    spec: Annotated[Path | None, typer.Option(help="The spec to train. Default: the --init folder's spec.toml.")] = None,
     init: Annotated[Path | None, typer.Option(help="Model folder from `pyml import-gguf`: starting weights and, for decoders, the tokenizer (required for decoders).")] = None,
     data: Annotated[Path | None, typer.Option(help="A text file or folder of .txt/.md/.rst files (decoders). Default: the Python reference docs shipped with CPython (pydoc_data); sequential models use scikit-learn's digits.")] = None,
     steps: Annotated[int | None, typer.Option(help="Train until this step (counted across resumes). Default 200, or the checkpoint's.")] = None,

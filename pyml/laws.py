@@ -1,9 +1,10 @@
 """The index of the Lean laws, read from the Lean sources (never typed twice).
 
-A law is a `theorem` under `lean/PyML/` preceded by a doc comment that begins with `law:`.
+A law is a `theorem` under `pyml/lean/PyML/` preceded by a doc comment that begins with `law:`.
 Its statement is the text between the theorem's name and the first `:=` (binders and type), or
-its first match alternative `|` for a theorem proved by pattern matching, whitespace-normalised; the generator records the statement's SHA-256 in each manifest, so a law
-that changes under generated code is caught as drift.
+its first match alternative `|` for a theorem proved by pattern matching, whitespace-normalised;
+the generator records the statement's SHA-256 in each manifest, so a law that changes under
+generated code is caught as drift.
 
 `python -m pyml.laws [LEAN_DIR]` prints the index as JSON.
 """
@@ -15,7 +16,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-LEAN_DIR = Path(__file__).resolve().parent.parent / "lean"
+from pyml import project
 
 # The statement ends at the first `:=`, or, for a theorem proved by pattern matching, at its first
 # match alternative (a line that starts with `|`).
@@ -36,9 +37,9 @@ def _normalise(text: str) -> str:
     return " ".join(text.split())
 
 
-def load_law_index(lean_dir: Path = LEAN_DIR) -> dict[str, Law]:
-    """Every law under `lean_dir/PyML`, by name."""
-    lean_dir = Path(lean_dir)
+def load_law_index(lean_dir: Path | None = None) -> dict[str, Law]:
+    """Every law under `lean_dir/PyML` (default: pyml's laws, `pyml.project.LAWS_DIR`), by name."""
+    lean_dir = Path(lean_dir or project.LAWS_DIR)
     index: dict[str, Law] = {}
     for path in sorted((lean_dir / "PyML").rglob("*.lean")):
         for match in _LAW.finditer(path.read_text(encoding="utf-8")):
@@ -53,10 +54,10 @@ def load_law_index(lean_dir: Path = LEAN_DIR) -> dict[str, Law]:
     return index
 
 
-def law_index_json(lean_dir: Path = LEAN_DIR) -> str:
+def law_index_json(lean_dir: Path | None = None) -> str:
     return json.dumps({name: asdict(law) for name, law in sorted(load_law_index(lean_dir).items())},
                       indent=2, ensure_ascii=False)
 
 
 if __name__ == "__main__":
-    print(law_index_json(Path(sys.argv[1]) if len(sys.argv) > 1 else LEAN_DIR))
+    print(law_index_json(Path(sys.argv[1]) if len(sys.argv) > 1 else None))

@@ -8,13 +8,19 @@ read when they load. With torch loaded first, the real models' decode steps ran 
 here (0.18 against 2.9 tokens/s for Gemma 3 270M), which only costs the suite time.
 """
 
-import pyml  # noqa: F401  (first: see above)
-
-import importlib
 import os
-from pathlib import Path
+import tempfile
 
-import pytest
+# The packages the tests generate on demand go to a cache of the tests' own, which lasts across
+# sessions on this machine as Numba's cache does, and not into the user's ~/.cache/pyml.
+os.environ.setdefault("PYML_CACHE", os.path.join(tempfile.gettempdir(), "pyml-test-cache"))
+
+import pyml  # noqa: E402, F401  (first of pyml's and numpy's: see above)
+
+import importlib  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing from a hub
 

@@ -1,9 +1,10 @@
 """Random valid specs, generated packages built from them, and their comparison with the torch
 reference (`tests/torch_reference.py`). Shared by the CPU fuzz test and its CUDA-simulator twin.
 
-A package is generated (`pyml.codegen.derived`) into a folder named by the hash of its spec under
-the system temp dir and written only when absent, so Numba's cache (keyed on file path and mtime)
-compiles a spec once per machine: the regression corpus costs its compile time once.
+A package is generated (`pyml.packages.derived_package`) into a cache of its own under the system
+temp dir, keyed by the spec and the generator and written only when absent, so Numba's cache
+(keyed on file path and mtime) compiles a spec once per machine: the regression corpus costs its
+compile time once.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 from hypothesis import assume
 from hypothesis import strategies as st
 
-from pyml.codegen.derived import derived_package
+from pyml.packages import derived_package
 from pyml.errors import PymlError
 from pyml.runtime.spec_toml import spec_toml
 from pyml.spec import parse_spec
@@ -33,7 +34,7 @@ def to_toml(data: dict) -> str:
 
 def generated_package(data: dict):
     """The generated package of the spec `data`, imported under a name of its own."""
-    return derived_package(data, FUZZ_DIR)
+    return derived_package(data, cache=FUZZ_DIR)
 
 
 def random_tensors(package, seed: int) -> dict[str, np.ndarray]:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from pyml.project import init_project
+
 ROOT = Path(__file__).resolve().parents[1]
 PYML = [sys.executable, "-m", "pyml.cli"]
 BAD_SPECS = sorted((ROOT / "specs" / "bad").glob("*.toml"))
@@ -45,8 +47,8 @@ def test_every_bad_spec_exits_2_with_one_line(path):
 
 
 def test_a_bad_spec_among_good_ones_writes_nothing(tmp_path):
-    shutil.copytree(ROOT / "specs", tmp_path / "specs")
-    shutil.copytree(ROOT / "lean", tmp_path / "lean", ignore=shutil.ignore_patterns("Generated", ".lake"))
+    init_project(tmp_path)
+    shutil.copytree(ROOT / "specs", tmp_path / "specs", dirs_exist_ok=True)
     result = pyml("gen", "specs/mlp_digits.toml", "specs/bad/mlp_128_to_64.toml", cwd=tmp_path)
     assert result.returncode == 2
     assert not (tmp_path / "gen").exists()

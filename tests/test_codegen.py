@@ -12,7 +12,7 @@ from pyml.codegen.lower import KIND_LAWS, MODEL_LAWS, PIECE_LAWS
 from pyml.laws import load_law_index
 
 ROOT = Path(__file__).resolve().parents[1]
-LAWS = load_law_index(ROOT / "lean")
+LAWS = load_law_index()
 
 
 def test_every_law_the_generator_relies_on_is_stated_in_lean():

@@ -8,8 +8,10 @@ from pathlib import Path
 import jinja2
 import pytest
 
+import pyml.project
 from pyml.codegen import drift, manifest, render
 from pyml.codegen.emit import write_generated
+from pyml.project import LAWS_DIR, init_project
 from pyml.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,11 +19,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def project(tmp_path):
-    """A project root holding one spec, the Lean sources, and what `pyml gen` makes of them."""
-    (tmp_path / "specs").mkdir()
+    """A project (`pyml init`) holding one spec and what `pyml gen` makes of it."""
+    init_project(tmp_path)
+    (tmp_path / "specs" / "my_decoder.toml").unlink()
     shutil.copy(ROOT / "specs" / "mlp_digits.toml", tmp_path / "specs")
-    shutil.copytree(ROOT / "lean", tmp_path / "lean",
-                    ignore=shutil.ignore_patterns("Generated", ".lake"))
     spec_path = tmp_path / "specs" / "mlp_digits.toml"
     write_generated(load_spec(spec_path), spec_path, tmp_path)
     return tmp_path
@@ -56,8 +57,11 @@ def test_changed_spec_not_regenerated_is_caught(project):
     assert drifts and all("the spec changed and was not regenerated" in line for line in drifts)
 
 
-def test_changed_law_statement_is_caught(project):
-    laws = project / "lean" / "PyML" / "Laws.lean"
+def test_changed_law_statement_is_caught(project, tmp_path_factory, monkeypatch):
+    copy = tmp_path_factory.mktemp("laws")
+    shutil.copytree(LAWS_DIR, copy, dirs_exist_ok=True)
+    monkeypatch.setattr(pyml.project, "LAWS_DIR", copy)
+    laws = copy / "PyML" / "Laws.lean"
     stated = "dot g (matVec W v) = dot (matTVec W g) v :="
     assert stated in laws.read_text()
     # the same law with its sides swapped: true still, but not the statement the code relies on

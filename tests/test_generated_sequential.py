@@ -23,6 +23,8 @@ import numpy as np
 import pytest
 import torch
 
+from pyml.project import init_project
+
 ROOT = Path(__file__).resolve().parents[1]
 # Packages are copied here under a name made from their content, so that Numba's cache (keyed by a
 # file's path and modification time) is reused by later runs and never stale.
@@ -178,8 +180,7 @@ def generated_package(spec_text, tmp_path):
     """`pyml gen` of the spec into a temporary project root, imported."""
     name = tomllib.loads(spec_text)["name"]
     project = tmp_path / "project"
-    (project / "specs").mkdir(parents=True)
-    shutil.copytree(ROOT / "lean", project / "lean", ignore=shutil.ignore_patterns("Generated", ".lake"))
+    init_project(project)
     (project / "specs" / f"{name}.toml").write_text(spec_text)
     # this tree's pyml, whichever one is installed: the generator under test is the one beside the test
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))

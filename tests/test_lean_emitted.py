@@ -30,9 +30,8 @@ from pyml.codegen.lower import lower
 from pyml.spec import parse_spec
 
 ROOT = Path(__file__).resolve().parents[1]
-LEAN = ROOT / "lean"
-ENVIRONMENT = load_environment(LEAN)
-GENERATED = sorted((LEAN / "Generated").glob("*.lean"))
+ENVIRONMENT = load_environment()
+GENERATED = sorted((ROOT / "lean" / "Generated").glob("*.lean"))
 
 BROKEN_SKELETON = """\
 def skeleton : Chain 640 262144 :=
@@ -57,13 +56,13 @@ def module_text(body: str) -> str:
 
 
 def problems(body: str) -> list[str]:
-    return check_text(module_text(body), "Test.lean", ENVIRONMENT, LEAN)
+    return check_text(module_text(body), "Test.lean", ENVIRONMENT)
 
 
 @pytest.mark.parametrize("path", GENERATED, ids=lambda p: p.name)
 def test_every_generated_file_is_well_formed_and_prints_back_as_it_is(path):
     text = path.read_text(encoding="utf-8")
-    assert check_text(text, path.name, ENVIRONMENT, LEAN) == []
+    assert check_text(text, path.name, ENVIRONMENT) == []
     assert print_module(parse_module(text)) == text
 
 
@@ -92,7 +91,7 @@ def test_the_check_reports_each_kind_of_mistake(body, message):
 
 def test_an_import_that_is_not_there_is_reported():
     text = module_text("def skeleton : Chain 4 4 :=\n  .nil\n").replace("import PyML", "import PyML.Nope")
-    assert any("imports `PyML.Nope`" in p for p in check_text(text, "T.lean", ENVIRONMENT, LEAN))
+    assert any("imports `PyML.Nope`" in p for p in check_text(text, "T.lean", ENVIRONMENT))
 
 
 def test_the_environment_reads_every_declaration_of_lean_pyml():
@@ -158,6 +157,6 @@ def test_an_application_argument_is_parenthesised():
 @given(st.one_of(decoder_specs(), sequential_specs()))
 def test_the_lean_of_every_drawn_spec_is_well_formed(data):
     spec = parse_spec(data, "fuzz")
-    path, text = lean_instances.render(spec, lower(spec), "specs/fuzz.toml", LEAN)
-    assert check_text(text, path, ENVIRONMENT, LEAN) == []
+    path, text = lean_instances.render(spec, lower(spec), "specs/fuzz.toml")
+    assert check_text(text, path, ENVIRONMENT) == []
     assert print_module(parse_module(text)) == text

@@ -3,10 +3,13 @@ axiom, every law's axioms printed by the build, the law index as expected, one p
 
 import re
 import tomllib
+from pathlib import Path
 
 from lean_core_names import core_names
-from pyml.laws import LEAN_DIR, load_law_index
+from pyml.laws import load_law_index
+from pyml.project import LAWS_DIR, TEMPLATE_DIR
 
+ROOT = Path(__file__).resolve().parents[1]
 FORBIDDEN = re.compile(r"\b(sorry|admit|axiom)\b")
 EXPECTED_LAWS = {
     "linear_input_adjoint", "linear_weight_adjoint_input", "linear_weight_adjoint_weight",
@@ -17,11 +20,11 @@ EXPECTED_LAWS = {
 
 
 def lean_sources():
-    return [p for p in LEAN_DIR.rglob("*.lean") if ".lake" not in p.parts]
+    return [p for p in LAWS_DIR.rglob("*.lean") if ".lake" not in p.parts]
 
 
 def test_no_sorry_admit_or_axiom_in_lean_sources():
-    offending = [f"{p.relative_to(LEAN_DIR)}:{n}: {line.strip()}"
+    offending = [f"{p.relative_to(LAWS_DIR)}:{n}: {line.strip()}"
                  for p in lean_sources()
                  for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
                  if FORBIDDEN.search(line)]
@@ -65,22 +68,30 @@ def test_law_hash_follows_the_statement_not_its_layout(tmp_path):
 
 
 def test_one_pinned_stable_release():
-    pin = (LEAN_DIR / "lean-toolchain").read_text().strip()
+    pin = (LAWS_DIR / "lean-toolchain").read_text().strip()
     assert re.fullmatch(r"leanprover/lean4:v4\.\d+\.\d+", pin), pin
-    assert (LEAN_DIR / "lakefile.lean").is_file()
-    assert (LEAN_DIR / "Generated").is_dir()  # the Generated library's glob reads this folder
+    assert (LAWS_DIR / "lakefile.lean").is_file()
+
+
+def test_this_checkouts_lean_package_is_a_project_like_any_other():
+    """lean/ is the Lake package of the instances generated for specs/, set up as `pyml init`
+    sets up a user's: the same lakefile, pyml's pin, and the folder its glob reads."""
+    lean = ROOT / "lean"
+    assert (lean / "lakefile.lean").read_text() == (TEMPLATE_DIR / "lean" / "lakefile.lean").read_text()
+    assert (lean / "lean-toolchain").read_text() == (LAWS_DIR / "lean-toolchain").read_text()
+    assert (lean / "Generated" / ".gitkeep").is_file()
 
 
 def listed_core_names() -> dict[str, dict]:
-    entries = tomllib.loads((LEAN_DIR / "core_names.toml").read_text(encoding="utf-8"))["name"]
+    entries = tomllib.loads((LAWS_DIR / "core_names.toml").read_text(encoding="utf-8"))["name"]
     return {entry["used_as"]: entry for entry in entries}
 
 
 def test_every_core_name_the_proofs_use_is_confirmed():
-    """lean/core_names.toml lists every Lean core name lean/PyML uses and where it was confirmed;
+    """pyml/lean/core_names.toml lists every Lean core name lean/PyML uses and where it was confirmed;
     a proof that brings in another name fails here until it is looked up and listed."""
     listed = listed_core_names()
-    used = core_names(LEAN_DIR)
+    used = core_names(LAWS_DIR)
     unlisted = {name: sorted(files) for name, files in used.items() if name not in listed}
     assert not unlisted, f"core names used but not confirmed in lean/core_names.toml: {unlisted}"
     assert set(listed) <= set(used), f"listed but no longer used: {set(listed) - set(used)}"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from generator_fuzz import generated_package, to_toml
-from pyml.codegen.derived import lean_project
+from pyml.project import init_project
 from pyml.errors import PymlError
 
 HUGE = {"name": "huge_mlp", "form": "sequential", "input_dim": 8, "output_dim": 4,
@@ -25,11 +25,11 @@ def test_a_model_larger_than_memory_is_refused_before_allocating():
 
 
 def test_gen_states_the_parameter_count_and_training_memory(tmp_path):
-    lean_project(tmp_path)
-    spec_path = tmp_path / "huge_mlp.toml"
+    init_project(tmp_path)
+    spec_path = tmp_path / "specs" / "huge_mlp.toml"
     spec_path.write_text(to_toml(HUGE))
-    result = subprocess.run([sys.executable, "-m", "pyml.cli", "gen", str(spec_path), "--out",
-                             str(tmp_path)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-m", "pyml.cli", "gen", str(spec_path)],
+                            capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     summary = result.stdout.splitlines()[-1]
     assert summary.startswith("huge_mlp: 52,000,000,000,004 parameters; float32 training at "

@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from pyml import project
 from pyml.codegen.lean_syntax import (
     Anonymous,
     App,
@@ -94,10 +95,11 @@ def _strip_comments(text: str) -> str:
     return re.sub(r"--[^\n]*", blank, re.sub(r"/-.*?-/", blank, text, flags=re.DOTALL))
 
 
-def load_environment(lean_dir: Path) -> dict[str, Signature]:
-    """Every declaration under `lean_dir/PyML`, by its name inside the `PyML` namespace."""
+def load_environment(lean_dir: Path | None = None) -> dict[str, Signature]:
+    """Every declaration under `lean_dir/PyML` (default: pyml's laws), by its name inside the
+    `PyML` namespace."""
     found: dict[str, Signature] = {}
-    for path in sorted((Path(lean_dir) / "PyML").rglob("*.lean")):
+    for path in sorted((Path(lean_dir or project.LAWS_DIR) / "PyML").rglob("*.lean")):
         text = _strip_comments(path.read_text(encoding="utf-8"))
         namespaces = [(m.start(), m[1], m[2]) for m in _NAMESPACE.finditer(text)]
         for match in _DECLARATION.finditer(text):
@@ -373,8 +375,13 @@ class Checker:
                 self.infer(body, head(item.type) if isinstance(item, Def) else None, locals_)
 
 
-def check_text(text: str, where: str, environment: dict[str, Signature], lean_dir: Path) -> list[str]:
-    """The problems of one emitted file: a syntax error, or names and arities that do not resolve."""
+def check_text(text: str, where: str, environment: dict[str, Signature] | None = None,
+               lean_dir: Path | None = None) -> list[str]:
+    """The problems of one emitted file: a syntax error, or names and arities that do not resolve,
+    against the Lean package in `lean_dir` (default: pyml's laws), whose declarations
+    `environment` holds if given."""
+    lean_dir = Path(lean_dir or project.LAWS_DIR)
+    environment = environment if environment is not None else load_environment(lean_dir)
     try:
         module = parse_module(text)
     except ValueError as error:

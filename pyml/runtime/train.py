@@ -12,7 +12,6 @@ and the data order's position and generator state, and nothing else in the loop 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import math
 import signal
@@ -27,6 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 from pyml.errors import PymlError
+from pyml.packages import package_for
 from pyml.runtime.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
@@ -76,7 +76,7 @@ COMMON_DEFAULTS = {
 class TrainingConfig:
     """Everything a run was asked to do; saved in every checkpoint's state.json."""
 
-    spec: str  # the spec's name: the run trains gen.<spec>
+    spec: str  # the spec's name
     steps: int  # the step to stop at (counted from the start of the run, across resumes)
     batch: int
     seq: int | None  # tokens per sequence (decoders only)
@@ -105,7 +105,7 @@ class TrainingResult:
 
 
 def train(
-    spec_path: Path,
+    spec_path: Path | None,
     init: Path | None = None,
     data: Path | None = None,
     steps: int | None = None,
@@ -128,12 +128,18 @@ def train(
     lora_alpha: float | None = None,
     lora_targets: list[str] | None = None,
 ) -> TrainingResult:
-    """Train the generated package of the spec at `spec_path`; options left as None take the
-    checkpoint's values when resuming, else the defaults above. Prints a summary at the end.
-    `group` is this process's part in data-parallel training (`pyml.runtime.distributed`).
-    `lora_rank` (with `lora_alpha` and `lora_targets`) trains LoRA adapters instead (see above)."""
+    """Train the generated package of the spec at `spec_path` (default: the `init` folder's
+    spec.toml); options left as None take the checkpoint's values when resuming, else the
+    defaults above. Prints a summary at the end. `group` is this process's part in data-parallel
+    training (`pyml.runtime.distributed`). `lora_rank` (with `lora_alpha` and `lora_targets`)
+    trains LoRA adapters instead (see above)."""
+    from pyml.packages import spec_file
     from pyml.spec import SequentialModel, load_spec
 
+    if spec_path is None:
+        if init is None or not Path(init).is_dir():
+            raise PymlError("give --spec, or --init with a model folder (its spec.toml is trained)")
+        spec_path = spec_file(Path(init))
     spec = load_spec(spec_path)
     form = "sequential" if isinstance(spec, SequentialModel) else "decoder"
     given_lora = {"rank": lora_rank, "alpha": lora_alpha, "targets": lora_targets}
@@ -177,7 +183,7 @@ def train(
     )
     check_config(config)
     if config.lora is None:
-        package = import_generated(spec.name, spec_path)
+        package = package_for(spec_path)
     else:
         spec, package = lora_spec(spec_path, config.lora)
     if form == "sequential":
@@ -446,19 +452,6 @@ def describe_result(result: TrainingResult, out: Path) -> str:
     if result.interrupted:
         lines.append("continue with the same command and --resume")
     return "\n".join(lines)
-
-
-def import_generated(spec_name: str, spec_path: Path) -> ModuleType:
-    module_name = f"gen.{spec_name}"
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name not in ("gen", module_name):
-            raise  # the package exists but something it imports is missing: not the user's spec
-        raise PymlError(
-            f"no generated package gen/{spec_name}/ for spec '{spec_name}': "
-            f"run `pyml gen {spec_path}` first"
-        ) from None
 
 
 def check_config(config: TrainingConfig) -> None:

@@ -32,8 +32,8 @@ from pyml.spec.layers import (
 )
 from pyml.spec.shapes import IDS, Mismatch, Node, Shape, check_chain
 
-# The generated package is `gen.<name>`: it must be importable and must not shadow a module a user
-# or pyml imports.
+# A project's generated package is `gen/<name>/`, imported as `gen.<name>` from the project: the
+# name must be importable and must not shadow a module a user or pyml imports.
 RESERVED_NAMES = frozenset({"gen", "pyml"}) | frozenset(sys.stdlib_module_names)
 
 
