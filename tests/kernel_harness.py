@@ -55,7 +55,7 @@ def all_blocks(target: str) -> list[tuple[str, dict]]:
         ("silu", dict(p="silu")),
         ("gelu", dict(p="gelu")),
         ("relu", dict(p="relu")),
-        ("cross_entropy", dict(p="ce", classes=d["classes"])),
+        ("loss", dict(p="ce", classes=d["classes"])),
     ]
     return blocks
 

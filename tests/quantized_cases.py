@@ -1,15 +1,14 @@
-"""Cases for the quantized linear kernels, shared by the CPU tests (tests/test_quantized_linear.py)
-and the CUDA ones under Numba's simulator (tests/quantized_cuda_cases.py), and for the decode
-steps' linear map, shared the same way (tests/test_quantized_decoding.py,
-tests/quantized_decode_cuda_cases.py).
+"""Cases for the decode steps' linear map on GGUF blocks, shared by the CPU tests
+(tests/test_quantized_decoding.py, tests/test_gguf_quantized.py) and the CUDA ones under Numba's
+simulator (tests/quantized_decode_cuda_cases.py).
 
 Two kinds of weights, each encoded as the GGUF bytes of its type and loaded through
 `pyml.runtime.gguf_quantized`, so the layout decoding is under test too:
 - exact: small integers q with small integer scales and offsets (float16 represents them exactly),
   so every weight, product and partial sum is an integer far below 2^24 and float32 arithmetic is
   exact in any order. `gguf.quants.dequantize` of the bytes must give back exactly the integer
-  matrix the case meant (that checks the encoder against gguf), and the kernel must equal the exact
-  model's `matVec` (`pyml/exact.py`, the Python mirror of the Lean definition) on it.
+  matrix the case meant (that checks the encoder against gguf), and the linear map must equal the
+  exact model's `matVec` (`pyml/exact.py`, the Python mirror of the Lean definition) on it.
 - real: the rounding of actual weights (gguf's own quantizer for the 32-value types; random packed
   bytes and realistic float16 scales for the K-quants, which gguf cannot quantize), compared with
   gguf's dequantization times x within the worst-case float32 summation bound.
@@ -27,7 +26,7 @@ from pyml.runtime.gguf_quantized import BLOCKS, quantized_matrix
 from pyml.runtime.quant import GGMLType
 from pyml.runtime.quantized_decoding import STEP_KINDS, kept_arrays, weight_tuple
 
-TYPES = (GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q4_K, GGML.Q6_K)  # those of the quantized linear kernels
+TYPES = (GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q4_K, GGML.Q6_K)  # the types of the shipped GGUFs
 # float32 unit roundoff: a sum of K products is within K * UNIT * sum |w x| of the exact one
 UNIT = 2.0**-24
 
@@ -134,42 +133,6 @@ def gguf_weights(raw: np.ndarray, ggml: GGML, rows: int, columns: int) -> np.nda
     return dequantize(raw, ggml).reshape(rows, columns)
 
 
-def quant_name(ggml: GGML) -> str:
-    return ggml.name.lower()
-
-
-def run_kernel(target, ggml: GGML, raw: np.ndarray, rows: int, columns: int, x: np.ndarray):
-    """y = x @ W.T by the target's quantized linear kernel for these GGUF bytes."""
-    matrix = quantized_matrix(raw, ggml, (rows, columns))
-    kernels = target.kernels([("quantized_linear", dict(
-        p="ql", in_features=columns, out_features=rows, quant=matrix.kernel_name))])
-    y = target.to_device(np.full((x.shape[0], rows), np.nan, np.float32))
-    kernels.ql_forward(target.to_device(x), *(target.to_device(a) for a in matrix.arrays), y)
-    return target.to_host(y)
-
-
-def case_exact(target, ggml: GGML, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    rows, columns = int(rng.integers(1, 6)), BLOCKS[ggml][0] * int(rng.integers(1, 3))
-    raw, weights = exact_weights(ggml, rows, columns, rng)
-    assert np.array_equal(gguf_weights(raw, ggml, rows, columns), weights)  # the encoder is right
-    x = rng.integers(-8, 9, (int(rng.integers(1, 4)), columns))
-    y = run_kernel(target, ggml, raw, rows, columns, x.astype(np.float32))
-    W = weights.astype(np.int64).tolist()
-    expected = np.array([exact.mat_vec(W, v) for v in x.tolist()], dtype=np.float64)
-    assert np.array_equal(y, expected)
-
-
-def case_real(target, ggml: GGML, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    rows, columns = 7, BLOCKS[ggml][0] * 3
-    raw = real_weights(ggml, rows, columns, rng)
-    x = rng.normal(0, 1, (2, columns)).astype(np.float32)
-    weights = gguf_weights(raw, ggml, rows, columns).astype(np.float64)
-    y = run_kernel(target, ggml, raw, rows, columns, x)
-    assert_within_float32_sum(y, x, weights)
-
-
 def assert_within_float32_sum(y: np.ndarray, x: np.ndarray, weights: np.ndarray) -> None:
     """y is x @ weights.T up to float32 rounding of a sum of in_features products."""
     reference = x.astype(np.float64) @ weights.T
@@ -183,6 +146,13 @@ def assert_within_float32_sum(y: np.ndarray, x: np.ndarray, weights: np.ndarray)
 # pyml.runtime.quantized_decoding.weight_tuple) and returns y (1, rows) on the host.
 
 STEP_TYPES = (*TYPES, GGML.Q5_0)  # Q5_0: the fused steps' only (Gemma 3's q, k, v, gate, up)
+
+
+def step_weight(raw: np.ndarray, ggml: GGML, rows: int, columns: int) -> tuple:
+    """The step's weight tuple of one layer: GGUF bytes `raw` of type `ggml`."""
+    ggml_type = GGMLType(int(ggml))
+    arrays = kept_arrays(ggml_type, quantized_matrix(raw, ggml, (rows, columns)).arrays)
+    return weight_tuple([STEP_KINDS[ggml_type]], [arrays], rows, columns)
 
 
 def step_layer(ggml: GGML, rows: int, columns: int, rng) -> tuple[int, dict, np.ndarray]:

@@ -9,7 +9,7 @@ import jinja2
 import pytest
 
 import pyml.project
-from pyml.codegen import drift, manifest, render
+from pyml.codegen import drift, render
 from pyml.codegen.emit import write_generated
 from pyml.project import LAWS_DIR, init_project
 from pyml.spec import load_spec
@@ -72,18 +72,17 @@ def test_changed_law_statement_is_caught(project, tmp_path_factory, monkeypatch)
 
 
 def test_changed_template_not_regenerated_is_caught(project, tmp_path_factory, monkeypatch):
-    templates = tmp_path_factory.mktemp("templates")
-    shutil.copytree(render.TEMPLATES, templates, dirs_exist_ok=True)
-    relu = templates / "cpu" / "relu.py.j2"
+    kinds = tmp_path_factory.mktemp("copy") / "kinds"
+    shutil.copytree(render.KINDS, kinds)
+    relu = kinds / "relu_cpu.py.j2"
     relu.write_text(relu.read_text() + "\n# a new comment\n")
-    monkeypatch.setattr(render, "TEMPLATES", templates)
-    monkeypatch.setattr(manifest, "TEMPLATES", templates)
-    monkeypatch.setattr(render.ENVIRONMENT, "loader", jinja2.FileSystemLoader(templates))
+    monkeypatch.setattr(render, "KINDS", kinds)
+    monkeypatch.setattr(render.ENVIRONMENT, "loader", jinja2.FileSystemLoader([render.TEMPLATES, kinds]))
     drifts = drift.find_drift(project)
     assert drifts == ["gen/mlp_digits/MANIFEST.json: differs from a fresh generation "
-                      "(template(s) changed since generation: cpu/relu.py.j2)",
+                      "(template(s) changed since generation: kinds/relu_cpu.py.j2)",
                       "gen/mlp_digits/kernels_cpu.py: differs from a fresh generation "
-                      "(template(s) changed since generation: cpu/relu.py.j2)"]
+                      "(template(s) changed since generation: kinds/relu_cpu.py.j2)"]
 
 
 def test_stray_file_in_gen_is_caught(project):

@@ -26,6 +26,7 @@ from quantized_cases import (
     exact_weights,
     gguf_weights,
     step_layer,
+    step_weight,
 )
 
 from gen.llama_tiny import model as tiny
@@ -69,10 +70,8 @@ def test_layers_of_two_kinds_share_one_stack():
 INT8_TYPES = (GGML.Q8_0, GGML.Q4_0, GGML.Q4_1)  # the formats --activations q8_0 runs
 
 
-def step_weight(raw, ggml, rows, columns, int8_activations):
-    ggml_type = GGMLType(int(ggml))
-    arrays = kept_arrays(ggml_type, quantized_matrix(raw, ggml, (rows, columns)).arrays)
-    weight = weight_tuple([STEP_KINDS[ggml_type]], [arrays], rows, columns)
+def int8_step_weight(raw, ggml, rows, columns, int8_activations):
+    weight = step_weight(raw, ggml, rows, columns)
     return with_int8_activations(weight) if int8_activations else weight
 
 
@@ -91,7 +90,7 @@ def test_int8_activation_rows_equal_the_exact_mat_vec(ggml, blocks):
     rng = np.random.default_rng(blocks)
     rows, columns = 37, 32 * blocks
     raw, weights = exact_weights(ggml, rows, columns, rng)
-    weight = step_weight(raw, ggml, rows, columns, int8_activations=True)
+    weight = int8_step_weight(raw, ggml, rows, columns, int8_activations=True)
     x = exact_int8_input(rng, columns)
     written = np.full((1, rows + 16), np.nan, np.float32)  # y, and what follows it in memory
     y = written[:, :rows]
@@ -161,7 +160,7 @@ def test_a_non_finite_activation_makes_its_block_nan():
     values, scale, total = rounded(x)
     assert scale[0, 0] == np.float32(1 / 127) and np.isnan(scale[0, 1:]).all()
     raw, _ = exact_weights(GGML.Q8_0, 2, 96, np.random.default_rng(0))
-    weight = step_weight(raw, GGML.Q8_0, 2, 96, int8_activations=True)
+    weight = int8_step_weight(raw, GGML.Q8_0, 2, 96, int8_activations=True)
     y = np.zeros((1, 2), np.float32)
     linear_row(weight, 0, x, y)
     assert np.isnan(y).all()
@@ -184,7 +183,7 @@ def test_int8_activation_rows_on_real_weights(ggml):
     errors = {}
     for int8_activations in (True, False):
         y = np.full((1, rows), np.nan, np.float32)
-        linear_row(step_weight(raw, ggml, rows, columns, int8_activations), 0, x, y)
+        linear_row(int8_step_weight(raw, ggml, rows, columns, int8_activations), 0, x, y)
         errors[int8_activations] = np.abs(y - expected)
     assert (errors[True] <= columns * UNIT * (np.abs(x_rounded) @ np.abs(weights.T))).all()
     assert errors[False].max() > 100 * errors[True].max()

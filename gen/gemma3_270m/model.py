@@ -410,7 +410,7 @@ class Model(base.DecoderModel):
                 s.self_attn_k_normed_rows[l],
                 s.self_attn_k_norm_rstd[l],
             )
-            cos, sin = self.rope[SELF_ATTN_ROPE_TABLE[l]]
+            cos, sin = self.rope_table(SELF_ATTN_ROPE_TABLE[l])
             k.rope_table0_forward(s.self_attn_qk_normed_heads[l], cos, sin, 0)
             k.self_attn_core_forward(
                 s.self_attn_q_normed[l],
@@ -533,7 +533,7 @@ class Model(base.DecoderModel):
                 SELF_ATTN_WINDOW[l],
             )
             # rope_table0 (rope); Lean: rotation_adjoint
-            cos, sin = self.rope[SELF_ATTN_ROPE_TABLE[l]]
+            cos, sin = self.rope_table(SELF_ATTN_ROPE_TABLE[l])
             k.rope_table0_backward(g.self_attn_qk_normed_heads, cos, sin)
             # self_attn_k_norm (head_rmsnorm); Lean: hadamard_adjoint
             k.self_attn_k_norm_backward(
@@ -597,12 +597,9 @@ class Model(base.DecoderModel):
                 c.self_attn_k_normed_rows,
                 c.self_attn_k_norm_rstd,
             )
-            cos, sin = self.rope[SELF_ATTN_ROPE_TABLE[l]]
+            cos, sin = self.rope_table(SELF_ATTN_ROPE_TABLE[l])
             k.rope_table0_forward(c.self_attn_qk_normed_heads, cos, sin, position)
-            slot, n_valid = c.cache_slot(0, l, position)
-            kc, vc = c.keys[0][l], c.values[0][l]
-            kc[:, slot] = c.self_attn_k_normed[:, 0]
-            vc[:, slot] = c.self_attn_v[:, 0]
+            kc, vc, n_valid = c.append(0, l, position, c.self_attn_k_normed, c.self_attn_v)
             k.self_attn_core_decode(c.self_attn_q_normed, kc, vc, n_valid, c.self_attn_heads_out)
             k.self_attn_o_forward(c.self_attn_heads_out_rows, p.self_attn_o[l], c.self_attn_o_out)
             k.post_attention_layernorm_forward(

@@ -395,7 +395,7 @@ class Model(base.DecoderModel):
             k.self_attn_qkv_forward(
                 s.input_layernorm_out[l], p.self_attn_qkv[l], s.self_attn_qkv_rows[l]
             )
-            cos, sin = self.rope[SELF_ATTN_ROPE_TABLE[l]]
+            cos, sin = self.rope_table(SELF_ATTN_ROPE_TABLE[l])
             k.rope_table0_forward(s.self_attn_qk[l], cos, sin, 0)
             k.self_attn_core_forward(
                 s.self_attn_q[l],
@@ -488,7 +488,7 @@ class Model(base.DecoderModel):
                 SELF_ATTN_WINDOW[l],
             )
             # rope_table0 (rope); Lean: rotation_adjoint
-            cos, sin = self.rope[SELF_ATTN_ROPE_TABLE[l]]
+            cos, sin = self.rope_table(SELF_ATTN_ROPE_TABLE[l])
             k.rope_table0_backward(g.self_attn_qk, cos, sin)
             # self_attn_qkv (linear); Lean: linear_input_adjoint, linear_weight_adjoint_input, linear_weight_adjoint_weight
             k.self_attn_qkv_backward(
@@ -522,12 +522,9 @@ class Model(base.DecoderModel):
                 c.stream_in, p.input_layernorm[l], c.input_layernorm_out, c.input_layernorm_rstd
             )
             k.self_attn_qkv_forward(c.input_layernorm_out, p.self_attn_qkv[l], c.self_attn_qkv_rows)
-            cos, sin = self.rope[SELF_ATTN_ROPE_TABLE[l]]
+            cos, sin = self.rope_table(SELF_ATTN_ROPE_TABLE[l])
             k.rope_table0_forward(c.self_attn_qk, cos, sin, position)
-            slot, n_valid = c.cache_slot(0, l, position)
-            kc, vc = c.keys[0][l], c.values[0][l]
-            kc[:, slot] = c.self_attn_k[:, 0]
-            vc[:, slot] = c.self_attn_v[:, 0]
+            kc, vc, n_valid = c.append(0, l, position, c.self_attn_k, c.self_attn_v)
             k.self_attn_core_decode(c.self_attn_q, kc, vc, n_valid, c.self_attn_heads_out)
             k.self_attn_o_forward(c.self_attn_heads_out_rows, p.self_attn_o[l], c.self_attn_o_out)
             k.post_attention_layernorm_forward_residual(

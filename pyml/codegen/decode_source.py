@@ -1,8 +1,9 @@
 """The generated `decode_cpu.py` and `decode_cuda.py`: a decoder's decoding step on weights kept
 quantized, for each target.
 
-Written from the same op list as the model's `run_decode` (`pyml.codegen.lower`): each op calls the
-package's own kernel, as the float32 step does, except the linear ops, which call the target's
+Written from the same op list as the model's `run_decode`, each op by its kind
+(`pyml.codegen.kinds`, in the pass's mode "step"): each op calls the package's own kernel, as the
+float32 step does, except the linear ops, which call the target's
 `linear_row` (pyml/package/decode_cpu.py, decode_cuda.py) on weights in whatever format they are
 kept (GGUF blocks or float32 rows). The KV cache is written in place, and every buffer is one the
 caller allocated once. On the CPU the step is one Numba function with the layer loop inside, so a
@@ -18,9 +19,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pyml.codegen.calls import Act, Arg, Call, Code, Statement, StepInput, Weight
 from pyml.codegen.ir import Graph, Op
 from pyml.codegen.render import ENVIRONMENT
-from pyml.codegen.schedule import graph_param
+from pyml.codegen.schedule import forward_statements, graph_param, render
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,10 @@ def shape_text(shape: tuple) -> str:
 
 
 class FusedStep:
-    """Collects the step's arguments, its view definitions and its statements for `target`."""
+    """The step's pass (`ForwardEnv` in mode "step"): collects its arguments, its view definitions
+    and the linear maps it runs, and spells each op's calls for `target`."""
+
+    mode = "step"
 
     def __init__(self, graph: Graph, target: str):
         self.graph, self.target = graph, target
@@ -81,81 +86,47 @@ class FusedStep:
             return self.argument(attr, source) + "[l]"
         return self.argument(attr, f"p.{attr}")
 
-    def in_parallel(self, call: str) -> list[str]:
+    def spell(self, arg: Arg) -> str:
+        if isinstance(arg, Act):
+            return self.value(arg.value)
+        if isinstance(arg, Weight):
+            return self.param(arg.attr)
+        if isinstance(arg, StepInput):
+            return self.argument(arg.name, arg.source) + arg.index
+        if isinstance(arg, Code):
+            return arg.text
+        raise TypeError(f"{arg!r} has no spelling in the fused step")
+
+    def attention_index(self, op: Op) -> int:
+        return [o for o in self.graph.block if o.kind == "attention"].index(op)
+
+    def in_parallel(self, call: Call) -> list[Statement]:
         """`call`, on the CPU on the pool's threads: the step runs on one thread but for the
         matrix-vector products and attention (the template says why)."""
         if self.target == "cpu":
-            return ["use_pool_threads(threads)", call, "use_pool_threads(1)"]
+            return [Call("use_pool_threads", (Code("threads"),)), call,
+                    Call("use_pool_threads", (Code("1"),))]
         return [call]
 
-    def linear(self, op: Op, x: str, y: str) -> list[str]:
+    def linear_row(self, op: Op) -> list[Statement]:
+        """A linear op as the target's `linear_row` on the weights as kept, then its bias."""
         bias = op.params.get("bias")
-        self.linears.append((op.prefix, op.params["weight"], bias,
-                             graph_param(self.graph, op.params["weight"]).tensors))
-        weight = self.argument(f"{op.prefix}_weight", f'weights["{op.prefix}"]')
-        layer = "l" if graph_param(self.graph, op.params["weight"]).per_layer else "0"
-        lines = self.in_parallel(f"linear_row({weight}, {layer}, {x}, {y})")
+        weight_param = graph_param(self.graph, op.params["weight"])
+        self.linears.append((op.prefix, op.params["weight"], bias, weight_param.tensors))
+        weight = StepInput(f"{op.prefix}_weight", f'weights["{op.prefix}"]')
+        layer = Code("l" if weight_param.per_layer else "0")
+        statements = self.in_parallel(Call("linear_row", (weight, layer, Act(op.inputs[0]),
+                                                          Act(op.outputs[0]))))
         if bias is not None:
-            lines.append(f"add_bias({y}, {self.param(bias)})")
-        return lines
+            statements.append(Call("add_bias", (Act(op.outputs[0]), Weight(bias))))
+        return statements
 
     def kernel_context(self, prefix: str) -> dict:
         return next(context for _, context in self.graph.kernel_blocks if context.get("p") == prefix)
 
     def lines(self, ops: list[Op]) -> list[str]:
-        """The statements of `ops` (one of head, block, tail); a residual join followed by the
-        RMSNorm that reads it is one fused call, as in the float32 step."""
-        lines: list[str] = []
-        skip = False
-        for index, op in enumerate(ops):
-            if skip:
-                skip = False
-                continue
-            following = ops[index + 1] if index + 1 < len(ops) else None
-            x = [self.value(v) for v in op.inputs]
-            y = [self.value(v) for v in op.outputs]
-            if (op.kind == "residual" and following is not None and following.kind == "rmsnorm"
-                    and following.inputs[0] == op.outputs[0]):
-                norm = following
-                lines.append(f"k.{norm.prefix}_forward_residual({x[0]}, {x[1]}, {y[0]}, "
-                             f"{self.param(norm.params['weight'])}, {self.value(norm.outputs[0])}, "
-                             f"{self.value(norm.aux['rstd'])})")
-                skip = True
-            elif op.kind == "residual":
-                lines.append(f"k.residual_add({x[0]}, {x[1]}, {y[0]})")
-            elif op.kind == "embedding":
-                table = self.param(op.params["weight"])
-                if self.target == "cuda" or self.kernel_context(op.prefix)["scale"] == 1.0:
-                    lines.append(f"k.{op.prefix}_forward({x[0]}, {table}, {y[0]})")
-                else:  # the CPU's `_forward` is Python: it rounds the scale to the table's dtype first
-                    scale = self.argument(f"{op.prefix}_scale",
-                                          f"p.{op.params['weight']}.dtype.type(k.{op.prefix.upper()}_SCALE)")
-                    lines.append(f"k.{op.prefix}_forward_kernel({x[0]}, {table}, {y[0]}, {scale})")
-            elif op.kind in ("rmsnorm", "head_rmsnorm"):
-                lines.append(f"k.{op.prefix}_forward({x[0]}, {self.param(op.params['weight'])}, "
-                             f"{y[0]}, {self.value(op.aux['rstd'])})")
-            elif op.kind == "linear":
-                lines += self.linear(op, x[0], y[0])
-            elif op.kind == "rope":
-                table = op.attrs["tables"]
-                cos = self.argument(f"{table.lower()}_cos", f"tuple(model.rope[t][0] for t in {table})")
-                sin = self.argument(f"{table.lower()}_sin", f"tuple(model.rope[t][1] for t in {table})")
-                lines.append(f"k.{op.prefix}_forward({x[0]}, {cos}[l], {sin}[l], position)")
-            elif op.kind == "attention":
-                index = [o for o in self.graph.block if o.kind == "attention"].index(op)
-                keys = self.argument(f"{op.prefix}_keys", f"keys[{index}]")
-                values = self.argument(f"{op.prefix}_values", f"values[{index}]")
-                lines.append(f"slot, n_valid = cache_slot({op.attrs['window']}[l], position)")
-                if self.target == "cpu":
-                    lines += [f"{keys}[l, :, slot] = {x[1]}[:, 0]", f"{values}[l, :, slot] = {x[2]}[:, 0]"]
-                else:  # a kernel: a slice assignment to a device array waits for the device
-                    lines += [f"store_slot({keys}[l], slot, {x[1]})", f"store_slot({values}[l], slot, {x[2]})"]
-                lines += self.in_parallel(f"k.{op.prefix}_decode({x[0]}, {keys}[l], {values}[l], n_valid, {y[0]})")
-            elif op.kind == "loss":
-                continue
-            else:  # element-wise: the GLUs and the activations
-                lines.append(f"k.{op.prefix}_forward({x[0]}, {y[0]})")
-        return lines
+        """The statements of `ops` (one of head, block, tail), as the model's decoding pass."""
+        return render(forward_statements(ops, self), self.spell)
 
 
 def decode_context(graph: Graph, target: str) -> dict:
@@ -170,5 +141,5 @@ def decode_context(graph: Graph, target: str) -> dict:
 
 
 def render_decode(graph: Graph, target: str, notice: str) -> str:
-    return notice + ENVIRONMENT.get_template(f"package/decode_{target}.py.j2").render(
+    return notice + ENVIRONMENT.get_template(f"decode_{target}.py.j2").render(
         **decode_context(graph, target))

@@ -11,6 +11,7 @@ and q, k and v are heads of one buffer, viewed as (B, T, heads, head_dim) by att
 from __future__ import annotations
 
 from pyml.codegen.ir import Graph, Instance, Link, Op, Param, Skeleton, Storage, Value
+from pyml.codegen.kinds import kind_of
 from pyml.errors import PymlError
 from pyml.spec.layers import (
     GELU,
@@ -25,23 +26,6 @@ from pyml.spec.layers import (
 )
 from pyml.spec.models import DecoderModel, SequentialModel
 
-# The Lean laws each kernel kind's adjoint implements; recorded in the manifest by statement hash.
-KIND_LAWS = {
-    "linear": ("linear_input_adjoint", "linear_weight_adjoint_input", "linear_weight_adjoint_weight"),
-    # a frozen weight has no gradient; its adapters' laws are in each op's instances
-    "frozen_linear": ("linear_input_adjoint", "linear_weight_adjoint_input"),
-    "embedding": ("embedding_adjoint",),
-    "attention": ("matmul_adjoint_left", "matmul_adjoint_right"),
-    "rope": ("rotation_adjoint",),
-    "swiglu": ("hadamard_adjoint",),
-    "geglu": ("hadamard_adjoint",),
-    "rmsnorm": ("hadamard_adjoint",),  # the gain, w or 1 + w, element-wise
-    "head_rmsnorm": ("hadamard_adjoint",),
-    "relu": ("hadamard_adjoint",),  # dy times the derivative at x, element-wise
-    "gelu": ("hadamard_adjoint",),
-    "silu": ("hadamard_adjoint",),
-    "cross_entropy": (),
-}
 # Laws of pieces that are not kernels of their own: the join of a residual, a bias, a constant scale.
 PIECE_LAWS = ("residual_adjoint", "bias_adjoint", "smul_adjoint")
 # The generated backward pass runs the forward ops' adjoints in reverse (compose_adjoint); the
@@ -351,7 +335,7 @@ class Lowering:
         return ops, x, chain
 
     def loss(self, logits: str, classes: int) -> Op:
-        self.kernel("cross_entropy", {"p": "loss", "classes": classes})
+        self.kernel("loss", {"p": "loss", "classes": classes})
         return Op("loss", "loss", (logits,), ())
 
 
@@ -454,5 +438,5 @@ def lower(spec: SequentialModel | DecoderModel) -> Graph:
 def relied_on_laws(graph: Graph) -> tuple[str, ...]:
     """Every Lean law the generated code relies on, for the manifest."""
     laws = {instance.law for op in graph.ops() for instance in op.instances}
-    laws |= {law for kind, _ in graph.kernel_blocks for law in KIND_LAWS.get(kind, ())}
+    laws |= {law for op in graph.ops() for law in kind_of(op).laws}
     return tuple(sorted(laws | set(MODEL_LAWS)))

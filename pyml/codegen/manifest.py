@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from pyml import __version__
-from pyml.codegen.render import TEMPLATES
+from pyml.codegen import render
 
 
 
@@ -26,8 +26,8 @@ def canonical_spec(spec) -> str:
 
 
 def template_hashes() -> dict[str, str]:
-    return {path.relative_to(TEMPLATES).as_posix(): sha256(path.read_bytes())
-            for path in sorted(TEMPLATES.rglob("*.j2"))}
+    return {f"{path.parent.name}/{path.name}": sha256(path.read_bytes())
+            for path in render.template_files()}
 
 
 # The hand-written modules generated packages import: a change to one changes what a generated
@@ -44,10 +44,10 @@ def shared_hashes() -> dict[str, str]:
 
 
 def generator_hash() -> str:
-    """One digest of the generator's own modules: a change to how code is generated shows as
-    the reason for drift instead of looking like a hand edit."""
+    """One digest of the generator's own modules, the kinds' included: a change to how code is
+    generated shows as the reason for drift instead of looking like a hand edit."""
     return sha256("".join(sha256(path.read_bytes())
-                          for path in sorted(Path(__file__).parent.glob("*.py"))))
+                          for path in sorted(Path(__file__).parent.rglob("*.py"))))
 
 
 def shared_hash(paths) -> str:

@@ -1,18 +1,18 @@
 """The generated `model.py`: the graph's parameter layout, tensor names, buffers and passes.
 
 Everything here is derived from the graph and its schedule; the template
-(`templates/package/model.py.j2`) only arranges it around `pyml.package.base`.
+(`templates/model.py.j2`) only arranges it around `pyml.package.base`.
 """
 
 from __future__ import annotations
 
 import math
-import re
 
+from pyml.codegen.calls import Act, Grad, Scratch, WeightGrad
 from pyml.codegen.ir import Graph, Param, Value
 from pyml.codegen.lower import relied_on_laws
 from pyml.codegen.render import ENVIRONMENT
-from pyml.codegen.schedule import Layout, Statements, Writer
+from pyml.codegen.schedule import Layout, Statements, Writer, graph_param
 from pyml.spec.models import DecoderModel
 
 
@@ -123,8 +123,18 @@ def tensor_lines(layout: ParameterLayout) -> list[str]:
     return lines
 
 
-def referenced(lines: list[str], root: str) -> set[str]:
-    return set(re.findall(rf"\b{root}\.(\w+)", "\n".join(lines)))
+def gradient_names(graph: Graph, layout: Layout, statements: Statements) -> set[str]:
+    """The attributes of `g` the backward's calls use: value gradients not kept in place, scratch
+    buffers, and frozen parameters' gradients."""
+    names = set()
+    for arg in statements.backward_args:
+        if isinstance(arg, Grad) and layout.grad_home[graph.values[arg.value].storage] != "in_place":
+            names.add(arg.value)
+        elif isinstance(arg, Scratch):
+            names.add(f"scratch_{arg.value}")
+        elif isinstance(arg, WeightGrad) and not graph_param(graph, arg.attr).trainable:
+            names.add(f"frozen_{arg.attr}")
+    return names
 
 
 def activation_lines(graph: Graph, layout: Layout) -> list[str]:
@@ -151,8 +161,7 @@ def activation_lines(graph: Graph, layout: Layout) -> list[str]:
 
 
 def gradient_lines(graph: Graph, layout: Layout, statements: Statements) -> list[str]:
-    used = referenced([*statements.backward_tail, *statements.backward_block,
-                       *statements.backward_head], "g")
+    used = gradient_names(graph, layout, statements)
     lines = []
     if any(s.scope == "stream" for s in graph.storages.values()):
         lines.append(f"self.stream = zeros({shape_text(graph.storages['stream'].shape)})"
@@ -182,8 +191,9 @@ def gradient_lines(graph: Graph, layout: Layout, statements: Statements) -> list
 
 
 def decode_lines(graph: Graph, statements: Statements) -> list[str]:
-    used = referenced([*statements.decode_head, *statements.decode_block, *statements.decode_tail],
-                      "c")
+    # the values the decoding step's calls read or write (the stream's two buffers are always there)
+    used = {arg.value for arg in statements.decode_args if isinstance(arg, Act)
+            and graph.storages[graph.values[arg.value].storage].scope != "stream"}
     needed = {graph.values[name].storage for name in used if name in graph.values}
     lines = []
     for storage in graph.storages.values():
@@ -261,4 +271,4 @@ def _all_items(items):
 
 def render_model(spec, spec_path: str, graph: Graph, layout: Layout, statements: Statements) -> str:
     context = model_context(spec, spec_path, graph, layout, statements)
-    return ENVIRONMENT.get_template("package/model.py.j2").render(**context)
+    return ENVIRONMENT.get_template("model.py.j2").render(**context)

@@ -1,7 +1,8 @@
 """Rendering kernel templates into Python source.
 
-A kernel template (`templates/<target>/<kind>.py.j2`) renders to a block of functions for one layer
-kind, specialised to that layer's dims, all named with the prefix `p`. A kernel module is a fixed
+A kind's kernel template (`kinds/<kind>_<target>.py.j2`, beside the kind's module) renders to a
+block of functions for one layer of that kind, specialised to its dims, all named with the prefix
+`p`. A kernel module is a fixed
 header (its imports) followed by the blocks of every (kind, dims) a spec needs. A layer with the
 kind and dims of an earlier one (a decoder's three RMSNorms) gets no block of its own: its kernel
 names are bound to the earlier layer's functions, so each kernel is written and compiled once.
@@ -14,11 +15,13 @@ from pathlib import Path
 
 import jinja2
 
-TEMPLATES = Path(__file__).parent / "templates"
+CODEGEN = Path(__file__).parent
+TEMPLATES = CODEGEN / "templates"  # the generated package's modules: model, decode steps
+KINDS = CODEGEN / "kinds"  # each kind's kernel templates, beside its module
 TARGETS = ("cpu", "cuda")
-# The spec-independent kernels (AdamW, the residual joins, the vectorizable math, the quantized row
-# dot products, CUDA's tiled matrix product) are hand-written modules under pyml/package/ that
-# every kernel module imports and re-exports.
+# The spec-independent kernels (AdamW, the residual joins, the vectorizable math, CUDA's tiled
+# matrix product) are hand-written modules under pyml/package/ that every kernel module imports
+# and re-exports.
 HEADERS = {
     "cpu": (
         "import math\n\nimport numpy as np\nfrom numba import njit, prange\n\n"
@@ -27,26 +30,21 @@ HEADERS = {
         "from pyml.package.vector_math import (F32_ONE, MAX_LANES, dot_float64, dots_4x4, exp_vectorizable, "
         "gelu_tanh_vectorizable, gelu_tanh_with_derivative_vectorizable, max_value, "
         "sigmoid_vectorizable, sum_float64, unit_offset_weighted_dot_float64, weighted_dot_float64)\n"
-        "from pyml.package.quantized_dot import (q4_row_dot_runs_of_16, q4_row_dot_runs_of_32, "
-        "q6_row_dot, q8_row_dot)\n"
     ),
     "cuda": (
         "import math\n\nimport numpy as np\nfrom numba import cuda\n\n"
         "from pyml.package.kernels_cuda import (adamw_grad_norm, adamw_scale, adamw_step, add_into, "
         "copy_into, matmul, residual_add, sigmoid)\n"
-        "from pyml.package.quantized_cuda import THREADS as QUANTIZED_THREADS\n"
-        "from pyml.package.quantized_cuda import block_sum, q4_weight, q6_weight, q8_weight\n"
     ),
 }
 # what the header imports, for `pyml check` and the modules' first line (see pyml.package.vector_math)
 SHARED_KERNEL_MODULES = {
-    "cpu": ("pyml/package/kernels_cpu.py", "pyml/package/vector_math.py",
-            "pyml/package/quantized_dot.py"),
-    "cuda": ("pyml/package/kernels_cuda.py", "pyml/package/quantized_cuda.py"),
+    "cpu": ("pyml/package/kernels_cpu.py", "pyml/package/vector_math.py"),
+    "cuda": ("pyml/package/kernels_cuda.py",),
 }
 
 ENVIRONMENT = jinja2.Environment(
-    loader=jinja2.FileSystemLoader(TEMPLATES),
+    loader=jinja2.FileSystemLoader([TEMPLATES, KINDS]),
     undefined=jinja2.StrictUndefined,  # a template that names a dim the context lacks fails loudly
     keep_trailing_newline=True,
     trim_blocks=True,
@@ -54,12 +52,21 @@ ENVIRONMENT = jinja2.Environment(
 )
 
 
+def template_name(target: str, kind: str) -> str:
+    return f"{kind}_{target}.py.j2"
+
+
 def template_path(target: str, kind: str) -> Path:
-    return TEMPLATES / target / f"{kind}.py.j2"
+    return KINDS / template_name(target, kind)
+
+
+def template_files() -> list[Path]:
+    """Every template the generator renders, the kinds' and the package modules'."""
+    return sorted([*TEMPLATES.glob("*.j2"), *KINDS.glob("*.j2")])
 
 
 def render_block(target: str, kind: str, context: dict) -> str:
-    return ENVIRONMENT.get_template(f"{target}/{kind}.py.j2").render(**context).strip() + "\n"
+    return ENVIRONMENT.get_template(template_name(target, kind)).render(**context).strip() + "\n"
 
 
 def shared_block(target: str, kind: str, context: dict, first_prefix: str) -> str:

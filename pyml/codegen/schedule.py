@@ -1,6 +1,6 @@
 """Scheduling: from the graph (`pyml.codegen.ir`) to the statements of the generated model.
 
-Three passes are written from one op list:
+Three passes are written from one op list, each op by its kind (`pyml.codegen.kinds`):
 - the training forward, which saves per layer what the backward reads (each kind says what that is);
 - the backward, the ops' adjoints in reverse order (Lean law `compose_adjoint`), where each value's
   gradient is written by the first adjoint that reaches it and added to by the others (a fan-out,
@@ -18,21 +18,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pyml.codegen.calls import (
+    Act,
+    Arg,
+    Call,
+    Code,
+    Comment,
+    Grad,
+    Scratch,
+    Statement,
+    Weight,
+    WeightGrad,
+    arguments,
+)
 from pyml.codegen.ir import Graph, Op
-
-# What each kind's adjoint reads besides the output gradient: its inputs ("inputs") and/or its saved
-# statistics ("aux"). Values a backward reads must be saved per layer.
-BACKWARD_READS = {
-    "linear": ("inputs",), "rmsnorm": ("inputs", "aux"), "head_rmsnorm": ("inputs", "aux"),
-    "rope": (), "attention": ("inputs", "aux"), "swiglu": ("inputs",), "geglu": ("inputs",),
-    "relu": ("inputs",), "gelu": ("inputs",), "silu": ("inputs",), "residual": (),
-    "embedding": ("inputs",), "loss": (),
-    # a frozen linear map's adjoint reads its input only for its adapters' gradients
-    "frozen_linear": ("inputs", "aux"),
-}
-# Kinds whose adjoint can add its input gradient into a buffer (`{prefix}_backward_add`).
-ADDS_INPUT_GRADIENT = {"rmsnorm"}
-
+from pyml.codegen.kinds import kind_of
+from pyml.codegen.passes import fuse_residual_norms
 
 @dataclass
 class Layout:
@@ -84,20 +85,20 @@ class Writer:
 
 
 class Backward:
-    """State of the reverse walk: which gradient regions and parameter gradients hold a value."""
+    """The reverse walk's state, which each kind's adjoint reads and advances (`BackwardEnv`):
+    which gradient regions and parameter gradients hold a value, and where each one lives."""
 
-    def __init__(self, graph: Graph, layout: Layout):
-        self.graph, self.layout = graph, layout
+    def __init__(self, graph: Graph, layout: Layout, writer: Writer):
+        self.graph, self.layout, self.writer = graph, layout, writer
         self.written: set[tuple] = set()
         self.param_written: set[str] = set()
+        self.scratch: list[str] = []  # values whose gradient also needs a scratch buffer
 
     def home(self, value: str) -> str:
         return self.layout.grad_home[self.graph.values[value].storage]
 
-    def gradient(self, value: str) -> str:
-        return f"s.{value}" if self.home(value) == "in_place" else f"g.{value}"
-
     def mode(self, value: str) -> str:
+        """"write" for a value's first gradient contribution, "add" for the others."""
         key = region(self.graph, value)
         if key in self.written:
             return "add"
@@ -110,6 +111,83 @@ class Backward:
         self.param_written.add(attr)
         return "write"
 
+    def trainable(self, attr: str) -> bool:
+        return graph_param(self.graph, attr).trainable
+
+    def input_gradient(self, op: Op, index: int, can_add: bool) -> tuple[Arg, list[Statement], str]:
+        """(the buffer the kernel writes input `index`'s gradient into, the statements after it,
+        the kernel's suffix). The gradient is written (its first contribution) or added; where the
+        kernel cannot add, or where its buffer is the output gradient's own (a kernel must not
+        read and write one buffer), the kernel writes a scratch buffer that is then copied or
+        added."""
+        name = op.inputs[index]
+        mode = self.mode(name)
+        shares_buffer = op.outputs and self.home(name) == self.home(op.outputs[0])
+        if not shares_buffer and mode == "write":
+            return Grad(name), [], "backward"
+        if not shares_buffer and can_add:
+            return Grad(name), [], "backward_add"
+        self.scratch.append(name)
+        join = "k.add_into" if mode == "add" else "k.copy_into"
+        return Scratch(name), [Call(join, (Grad(name), Scratch(name)))], "backward"
+
+    def param_grads(self, op: Op, trainable_only: bool = False) -> list[WeightGrad]:
+        """The gradients of the op's parameters (each written once: no parameter is shared by two
+        ops that have gradients); a frozen one's is a scratch buffer, unless `trainable_only`."""
+        attrs = [attr for attr in op.params.values() if self.trainable(attr) or not trainable_only]
+        for attr in attrs:
+            if self.trainable(attr) and self.param_mode(attr) == "add":
+                raise AssertionError(f"{op.prefix}: a second gradient into {attr}")
+        return [WeightGrad(attr) for attr in attrs]
+
+    def spell(self, arg: Arg) -> str:
+        if isinstance(arg, Grad):
+            return f"s.{arg.value}" if self.home(arg.value) == "in_place" else f"g.{arg.value}"
+        if isinstance(arg, Scratch):
+            return f"g.scratch_{arg.value}"
+        if isinstance(arg, WeightGrad):
+            return param_expr(self.graph, arg.attr, "gr")
+        return spell_forward(self.graph, arg, self.writer.activation)
+
+
+class ForwardPass:
+    """A forward pass of the model (`ForwardEnv`): "train" writes activations `s.`, saved per layer
+    where the backward reads them; "decode" writes the decoding buffers `c.`."""
+
+    target = ""
+
+    def __init__(self, graph: Graph, writer: Writer, mode: str):
+        self.graph, self.writer, self.mode = graph, writer, mode
+
+    def attention_index(self, op: Op) -> int:
+        return cache_index(self.graph, op)
+
+    def spell(self, arg: Arg) -> str:
+        value = self.writer.activation if self.mode == "train" else self.writer.decoding
+        return spell_forward(self.graph, arg, value)
+
+
+def spell_forward(graph: Graph, arg: Arg, value) -> str:
+    if isinstance(arg, Act):
+        return value(arg.value)
+    if isinstance(arg, Weight):
+        return param_expr(graph, arg.attr)
+    if isinstance(arg, Code):
+        return arg.text
+    raise TypeError(f"{arg!r} has no spelling in a forward pass")
+
+
+def render(statements: list[Statement], spell) -> list[str]:
+    """The Python text of `statements`, each argument spelled by `spell`."""
+    lines = []
+    for statement in statements:
+        if isinstance(statement, Comment):
+            lines.append(f"# {statement.text}")
+            continue
+        call = f"{statement.fn}({', '.join(spell(arg) for arg in statement.args)})"
+        lines.append(f"{', '.join(statement.results)} = {call}" if statement.results else call)
+    return lines
+
 
 def plan_layout(graph: Graph) -> Layout:
     """Saved storages, and each gradient's buffer. A residual join `out = x + body(x)` passes its
@@ -121,9 +199,7 @@ def plan_layout(graph: Graph) -> Layout:
     skip, whose gradient accumulates there while x's is still accumulating in the outer one."""
     saved: set[str] = set()
     for op in graph.ops():
-        reads = BACKWARD_READS[op.kind]
-        if op.kind == "frozen_linear" and not op.attrs["adapters"]:
-            reads = ()
+        reads = kind_of(op).reads(op)
         if "inputs" in reads:
             saved |= {graph.values[v].storage for v in op.inputs}
         if "aux" in reads:
@@ -152,6 +228,9 @@ def plan_layout(graph: Graph) -> Layout:
 
 @dataclass
 class Statements:
+    """The passes' statements as lines of Python, and the arguments of the backward's and the
+    decoding step's calls, from which the buffers they use are allocated."""
+
     forward_head: list[str]
     forward_block: list[str]
     forward_tail: list[str]
@@ -162,67 +241,13 @@ class Statements:
     decode_block: list[str]
     decode_tail: list[str]
     scratch: list[str]  # values whose gradient also needs a scratch buffer of its shape
+    backward_args: list[Arg]
+    decode_args: list[Arg]
 
 
-def call(prefix: str, suffix: str, *args: str) -> str:
-    return f"k.{prefix}_{suffix}({', '.join(args)})"
-
-
-def layer_table(op: Op, key: str) -> str:
-    return f"{op.attrs[key]}[l]"
-
-
-def forward_lines(graph: Graph, ops: list[Op], value, mode: str) -> list[str]:
-    """Forward statements of `ops`; `value` maps a value to its expression; mode is "train" or
-    "decode". A residual join followed by the RMSNorm that reads it is one fused call."""
-    lines: list[str] = []
-    skip = False
-    for index, op in enumerate(ops):
-        if skip:
-            skip = False
-            continue
-        following = ops[index + 1] if index + 1 < len(ops) else None
-        x = [value(v) for v in op.inputs]
-        y = [value(v) for v in op.outputs]
-        p = [param_expr(graph, attr) for attr in op.params.values()]
-        aux = [value(a) for a in op.aux.values()]
-        if (op.kind == "residual" and following is not None and following.kind == "rmsnorm"
-                and following.inputs[0] == op.outputs[0]):
-            norm = following
-            w = param_expr(graph, norm.params["weight"])
-            lines.append(call(norm.prefix, "forward_residual", *x, *y, w, value(norm.outputs[0]),
-                              value(norm.aux["rstd"])))
-            skip = True
-        elif op.kind == "residual":
-            lines.append(f"k.residual_add({x[0]}, {x[1]}, {y[0]})")
-        elif op.kind == "embedding":
-            lines.append(call(op.prefix, "forward", x[0], *p, y[0]))
-        elif op.kind in ("rmsnorm", "head_rmsnorm"):
-            lines.append(call(op.prefix, "forward", x[0], *p, y[0], *aux))
-        elif op.kind == "linear":
-            lines.append(call(op.prefix, "forward", x[0], *p, y[0]))
-        elif op.kind == "frozen_linear":
-            lines.append(call(op.prefix, "forward", x[0], *p, y[0], *aux))
-        elif op.kind == "rope":
-            offset = "position" if mode == "decode" else "0"
-            lines.append(f"cos, sin = self.rope[{layer_table(op, 'tables')}]")
-            lines.append(call(op.prefix, "forward", x[0], "cos", "sin", offset))
-        elif op.kind == "attention":
-            window = layer_table(op, "window")
-            if mode == "decode":
-                lines.append(f"slot, n_valid = c.cache_slot({cache_index(graph, op)}, l, position)")
-                lines.append(f"kc, vc = c.keys[{cache_index(graph, op)}][l], "
-                             f"c.values[{cache_index(graph, op)}][l]")
-                lines.append(f"kc[:, slot] = {x[1]}[:, 0]")
-                lines.append(f"vc[:, slot] = {x[2]}[:, 0]")
-                lines.append(call(op.prefix, "decode", x[0], "kc", "vc", "n_valid", y[0]))
-            else:
-                lines.append(call(op.prefix, "forward", *x, *aux, y[0], window))
-        elif op.kind == "loss":
-            continue
-        else:  # element-wise: the GLUs and the activations
-            lines.append(call(op.prefix, "forward", x[0], y[0]))
-    return lines
+def forward_statements(ops: list[Op], env) -> list[Statement]:
+    """Forward statements of `ops` (one of head, block, tail) in the pass `env`, fusions applied."""
+    return [statement for op in fuse_residual_norms(ops) for statement in kind_of(op).forward(op, env)]
 
 
 def graph_param(graph: Graph, attr: str):
@@ -246,93 +271,25 @@ def trainable_params(graph: Graph, op: Op) -> list[str]:
     return [attr for attr in op.params.values() if graph_param(graph, attr).trainable]
 
 
-def backward_lines(graph: Graph, ops: list[Op], state: Backward, value, scratch,
-                   bucket_per_op: bool = False) -> list[str]:
+def backward_statements(graph: Graph, ops: list[Op], state: Backward,
+                        bucket_per_op: bool = False) -> list[Statement]:
     """The adjoints of `ops` in reverse order, each under a comment naming its Lean laws; with
     `bucket_per_op` (a sequential model), `ready(i)` after each op that finished its trainable
     parameters' gradients."""
-    lines: list[str] = []
+    statements: list[Statement] = []
     bucket = 0
     for op in reversed(ops):
         laws = sorted({instance.law for instance in op.instances})
-        lines.append(f"# {op.prefix} ({op.kind})" + (f"; Lean: {', '.join(laws)}" if laws else ""))
-        lines += adjoint(graph, op, state, value, scratch)
+        statements.append(Comment(f"{op.prefix} ({op.kind})" + (f"; Lean: {', '.join(laws)}" if laws else "")))
+        statements += kind_of(op).adjoint(op, state)
         if bucket_per_op and trainable_params(graph, op):
-            lines.append(f"ready({bucket})")
+            statements.append(ready(str(bucket)))
             bucket += 1
-    return lines
+    return statements
 
 
-def adjoint(graph: Graph, op: Op, state: Backward, value, scratch: list) -> list[str]:
-    """The statements of `op`'s adjoint. An input gradient is written (its first contribution) or
-    added; where the kernel cannot add, or where its buffer is the output gradient's own (a kernel
-    must not read and write one buffer), the kernel writes a scratch buffer that is then copied or
-    added."""
-    g = state.gradient
-    x = [value(v) for v in op.inputs]
-    aux = [value(a) for a in op.aux.values()]
-    dy = g(op.outputs[0]) if op.outputs else ""
-
-    def param_grads(trainable_only: bool = False) -> list[str]:
-        attrs = [attr for attr in op.params.values()
-                 if graph_param(graph, attr).trainable or not trainable_only]
-        for attr in attrs:
-            if graph_param(graph, attr).trainable and state.param_mode(attr) == "add":
-                raise AssertionError(f"{op.prefix}: a second gradient into {attr}")
-        return [param_expr(graph, attr, "gr") for attr in attrs]
-
-    def input_gradient(index: int, can_add: bool) -> tuple[str, list[str], str]:
-        """(the buffer the kernel writes, the statements after it, the kernel's suffix)."""
-        name = op.inputs[index]
-        target, mode = g(name), state.mode(name)
-        shares_buffer = op.outputs and state.home(name) == state.home(op.outputs[0])
-        if not shares_buffer and mode == "write":
-            return target, [], "backward"
-        if not shares_buffer and can_add:
-            return target, [], "backward_add"
-        scratch.append(name)
-        temporary = f"g.scratch_{name}"
-        join = "add_into" if mode == "add" else "copy_into"
-        return temporary, [f"k.{join}({target}, {temporary})"], "backward"
-
-    if op.kind == "loss":
-        state.mode(op.inputs[0])
-        return [f"loss = k.loss_forward_backward({x[0]}, s.targets, {g(op.inputs[0])})"]
-    if op.kind == "residual":
-        lines = []
-        for name in op.inputs:
-            mode = state.mode(name)
-            if mode == "add":
-                lines.append(f"k.add_into({g(name)}, {dy})")
-            elif state.home(name) != state.home(op.outputs[0]):
-                lines.append(f"k.copy_into({g(name)}, {dy})")
-        return lines
-    if op.kind == "rope":  # in place: the rotated gradient replaces the gradient of the rotation
-        return [f"cos, sin = self.rope[{layer_table(op, 'tables')}]",
-                call(op.prefix, "backward", dy, "cos", "sin")]
-    if op.kind == "embedding":
-        attr = op.params["weight"]
-        if not graph_param(graph, attr).trainable:
-            return []  # a frozen embedding: its gradient is nobody's
-        first = state.param_mode(attr) == "write"
-        grad = param_expr(graph, attr, "gr")
-        return ([f"dev.zero({grad})"] if first else []) + [call(op.prefix, "backward", x[0], dy, grad)]
-    if op.kind == "attention":
-        dq, dk, dv = (input_gradient(i, False) for i in range(3))
-        return [call(op.prefix, "backward", *x, *aux, dy, dq[0], dk[0], dv[0],
-                     layer_table(op, "window")), *dq[1], *dk[1], *dv[1]]
-    weight = [param_expr(graph, op.params["weight"])] if "weight" in op.params else []
-    dx, after, suffix = input_gradient(0, op.kind in ADDS_INPUT_GRADIENT)
-    if op.kind == "frozen_linear":
-        params = [param_expr(graph, attr) for attr in op.params.values()]
-        line = call(op.prefix, suffix, x[0], *params, *aux, dy, dx, *param_grads(trainable_only=True))
-    elif op.kind == "linear":
-        line = call(op.prefix, suffix, x[0], *weight, dy, dx, *param_grads())
-    elif op.kind in ("rmsnorm", "head_rmsnorm"):
-        line = call(op.prefix, suffix, x[0], *weight, *aux, dy, dx, *param_grads())
-    else:  # element-wise
-        line = call(op.prefix, suffix, x[0], dy, dx)
-    return [line, *after]
+def ready(bucket: str) -> Call:
+    return Call("ready", (Code(bucket),))
 
 
 def bucket_groups(graph: Graph) -> dict[str, list]:
@@ -347,16 +304,15 @@ def bucket_groups(graph: Graph) -> dict[str, list]:
 def schedule(graph: Graph) -> tuple[Layout, Statements]:
     layout = plan_layout(graph)
     writer = Writer(graph, layout.saved)
-    train, decode = writer.activation, writer.decoding
-    state = Backward(graph, layout)
-    scratch: list[str] = []
+    train, decode = ForwardPass(graph, writer, "train"), ForwardPass(graph, writer, "decode")
+    state = Backward(graph, layout, writer)
     sequential = graph.form == "sequential"
-    backward_tail = backward_lines(graph, graph.tail, state, train, scratch)
+    backward_tail = backward_statements(graph, graph.tail, state)
     # every layer runs the block's adjoints from the same state: its output gradient written
     state.written.add(("stream", "out"))
-    backward_block = backward_lines(graph, graph.block, state, train, scratch)
+    backward_block = backward_statements(graph, graph.block, state)
     state.written.add(("stream", "first"))
-    backward_head = backward_lines(graph, graph.head, state, train, scratch, bucket_per_op=sequential)
+    backward_head = backward_statements(graph, graph.head, state, bucket_per_op=sequential)
     if not sequential:
         # a decoder's buckets, as ParameterLayout.buckets lays them out: the trainable parameters
         # after the block (the final norm, an untied head), each layer's from the last, then those
@@ -364,20 +320,20 @@ def schedule(graph: Graph) -> tuple[Layout, Statements]:
         groups = bucket_groups(graph)
         first_layer = 1 if groups["after"] else 0
         if groups["after"]:
-            backward_tail.append("ready(0)")
+            backward_tail.append(ready("0"))
         if groups["block"]:
-            backward_block.append(f"ready({first_layer} + N_LAYERS - 1 - l)")
+            backward_block.append(ready(f"{first_layer} + N_LAYERS - 1 - l"))
         if groups["before"]:
-            backward_head.append(f"ready({first_layer} + {'N_LAYERS' if groups['block'] else 0})")
+            backward_head.append(ready(f"{first_layer} + {'N_LAYERS' if groups['block'] else 0}"))
+    decoding = [forward_statements(ops, decode) for ops in (graph.head, graph.block, graph.tail)]
     return layout, Statements(
-        forward_head=forward_lines(graph, graph.head, train, "train"),
-        forward_block=forward_lines(graph, graph.block, train, "train"),
-        forward_tail=forward_lines(graph, graph.tail, train, "train"),
-        backward_tail=backward_tail, backward_block=backward_block, backward_head=backward_head,
-        decode_head=forward_lines(graph, graph.head, decode, "decode"),
-        decode_block=forward_lines(graph, graph.block, decode, "decode"),
-        decode_tail=forward_lines(graph, graph.tail, decode, "decode"),
-        scratch=list(dict.fromkeys(scratch)),
+        *(render(forward_statements(ops, train), train.spell)
+          for ops in (graph.head, graph.block, graph.tail)),
+        *(render(statements, state.spell) for statements in (backward_tail, backward_block, backward_head)),
+        *(render(statements, decode.spell) for statements in decoding),
+        scratch=list(dict.fromkeys(state.scratch)),
+        backward_args=arguments([*backward_tail, *backward_block, *backward_head]),
+        decode_args=arguments([statement for statements in decoding for statement in statements]),
     )
 
 

@@ -239,6 +239,10 @@ class DecoderModel(Model):
             self.device.to_device(sin, tables[1])
             self.rope.append(tables)
 
+    def rope_table(self, index):
+        """(cos, sin) of RoPE table `index`, (MAX_SEQ_LEN, half) on the device."""
+        return self.rope[index]
+
     def buffers_for(self, B, T):
         if T > self.MAX_SEQ_LEN:
             raise PymlError(
@@ -339,6 +343,15 @@ class KVCache:
         if window:
             return position % window, min(position + 1, window)
         return position, position + 1
+
+    def append(self, attention, layer, position, keys, values):
+        """Write one new position's keys and values, (B, 1, kv_heads, head_dim), into their slot;
+        (the layer's keys, its values, how many slots hold positions) for the attention."""
+        slot, n_valid = self.cache_slot(attention, layer, position)
+        layer_keys, layer_values = self.keys[attention][layer], self.values[attention][layer]
+        layer_keys[:, slot] = keys[:, 0]
+        layer_values[:, slot] = values[:, 0]
+        return layer_keys, layer_values, n_valid
 
     def fill(self, attention, layer, keys, values, n_tokens):
         """Cache the prompt's keys and values, (B, T, kv_heads, head_dim), of positions

@@ -155,6 +155,13 @@ def cache_slot(window, position):
     return position, position + 1
 
 
+@njit(cache=True)
+def store_slot(cache, slot, x):
+    """cache[:, slot] = x[:, 0]: one position's keys or values (1, 1, kv heads, head dim) into
+    slot `slot` of a layer's cache (1, slots, kv heads, head dim), as decode_cuda.store_slot."""
+    cache[:, slot] = x[:, 0]
+
+
 def stack_layers(arrays):
     """A per-layer parameter's views (one per layer) as one C-contiguous (layers, ...) array."""
     return np.ascontiguousarray(np.stack(arrays))

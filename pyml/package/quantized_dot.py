@@ -1,7 +1,6 @@
-"""Dot products of one quantized weight row with one float32 row, for the generated quantized linear
-kernels (templates/cpu/quantized_linear.py.j2) and the fused decode step (decode_cpu.py), which
-import them; and, for the decode step's --activations q8_0, the products of 16 repacked rows with
-int8-rounded activations (the section at the end).
+"""Dot products of one quantized weight row with one float32 row, for the fused decode step
+(decode_cpu.py), which imports them; and, for the decode step's --activations q8_0, the products
+of 16 repacked rows with int8-rounded activations (the section at the end).
 
 Each is a numba intrinsic that writes its loop in LLVM vector IR. The same loop written as Python
 indexing stays scalar: numba widens every uint8 operation to int64, and LLVM then neither narrows

@@ -1,4 +1,4 @@
-"""GGUF weight matrices kept quantized, laid out for the quantized linear kernels.
+"""GGUF weight matrices kept quantized, laid out for the decode step's linear maps.
 
 A GGUF stores a matrix row by row, each row as blocks that interleave float16 scales with packed
 integers (pyml/runtime/quant.py describes them). The kernels (pyml/package/quantized_dot.py) read
@@ -32,10 +32,6 @@ from pyml.errors import PymlError
 # values per block and bytes per block of each type we keep quantized
 BLOCKS = {GGML.Q8_0: (32, 34), GGML.Q4_0: (32, 18), GGML.Q4_1: (32, 20), GGML.Q5_0: (32, 22),
           GGML.Q4_K: (256, 144), GGML.Q6_K: (256, 210)}
-# the kernel template's name of each type (`quant` in templates/cpu/quantized_linear.py.j2); Q5_0
-# is kept for the fused decode step only (pyml/package/decode_cpu.py)
-KERNEL_NAMES = {GGML.Q8_0: "q8_0", GGML.Q4_0: "q4_0", GGML.Q4_1: "q4_1", GGML.Q4_K: "q4_k",
-                GGML.Q6_K: "q6_k"}
 
 
 @dataclass(frozen=True)
@@ -46,10 +42,6 @@ class QuantizedMatrix:
     ggml_type: GGML
     shape: tuple[int, int]
     arrays: tuple[np.ndarray, ...]
-
-    @property
-    def kernel_name(self) -> str:
-        return KERNEL_NAMES[self.ggml_type]
 
     @property
     def nbytes(self) -> int:

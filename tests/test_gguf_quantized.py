@@ -1,40 +1,29 @@
-"""Quantized weights kept as the GGUF stores them, and the quantized linear kernels.
+"""Quantized weights kept as the GGUF stores them (pyml/runtime/gguf_quantized.py).
 
-- The layout (pyml/runtime/gguf_quantized.py): the weights its arrays imply are gguf's
-  dequantization bit for bit, for every kept type, on real and random blocks.
-- Exact conformance (layer 3 of DESIGN.md): each CPU kernel equals the exact model's matVec on
-  small integers (tests/quantized_cases.py says why float32 is exact there); the CUDA kernels the
-  same under Numba's simulator, in a process of their own (tests/quantized_cuda_cases.py).
-- Real weights: SmolLM2's own Q4_1 and Q8_0 matrices, and realistic blocks of every type, equal
-  gguf's dequantization times x within the float32 rounding of the sum.
+- The layout: the weights its arrays imply are gguf's dequantization bit for bit, for every kept
+  type, on real and random blocks.
+- Real weights: SmolLM2's own Q4_1 and Q8_0 matrices through the decode step's linear map equal
+  gguf's dequantization times x within the float32 rounding of the sum (the exact and int8 cases
+  are tests/test_quantized_decoding.py's).
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
-from conformance_cases import CPU
 from gguf import GGMLQuantizationType as GGML
 from quantized_cases import (
     TYPES,
     assert_within_float32_sum,
-    case_exact,
-    case_real,
     exact_weights,
     gguf_weights,
     real_weights,
-    run_kernel,
+    step_weight,
 )
 
 from pyml.errors import PymlError
+from pyml.package.decode_cpu import linear_row
 from pyml.runtime.gguf_quantized import BLOCKS, quantized_matrix
-
-TESTS = Path(__file__).parent
 
 
 def implied_weights(matrix) -> np.ndarray:
@@ -74,20 +63,6 @@ def test_layout_stands_for_ggufs_weights_bit_for_bit(ggml, kind):
     assert matrix.nbytes <= raw.size + 8 * rows * columns // 32
 
 
-@pytest.mark.parametrize("ggml", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("seed", range(4))
-def test_cpu_kernel_equals_the_exact_model(ggml, seed):
-    """quantized linear forward == matVec W v for each row v of x (the forward of Lean law
-    linear_input_adjoint), W the integer matrix the blocks encode."""
-    case_exact(CPU, ggml, seed)
-
-
-@pytest.mark.parametrize("ggml", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("seed", range(2))
-def test_cpu_kernel_equals_ggufs_dequantization_times_x(ggml, seed):
-    case_real(CPU, ggml, seed)
-
-
 @pytest.mark.parametrize("name", ["blk.0.attn_q.weight", "blk.29.ffn_down.weight",
                                   "blk.7.ffn_gate.weight", "token_embd.weight"])
 def test_smollm2_weights(name):
@@ -100,7 +75,9 @@ def test_smollm2_weights(name):
     ggml = GGML(int(tensor.ggml_type))
     raw = np.array(tensor.data[: rows * columns // BLOCKS[ggml][0] * BLOCKS[ggml][1]])
     x = np.random.default_rng(0).normal(0, 1, (3, columns)).astype(np.float32)
-    y = run_kernel(CPU, ggml, raw, rows, columns, x)
+    weight, y = step_weight(raw, ggml, rows, columns), np.zeros((3, rows), np.float32)
+    for n in range(3):
+        linear_row(weight, 0, x[n : n + 1], y[n : n + 1])
     assert_within_float32_sum(y, x, gguf_weights(raw, ggml, rows, columns).astype(np.float64))
 
 
@@ -120,14 +97,3 @@ def test_what_cannot_be_kept_quantized_is_one_clear_error():
         quantized_matrix(raw[:-1], GGML.Q8_0, (4, 32))
     with pytest.raises(PymlError, match="not whole Q4_K blocks of 256"):
         quantized_matrix(raw, GGML.Q4_K, (1, 32))
-
-
-def test_cuda_kernels_under_the_simulator():
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(TESTS.parent), env.get("PYTHONPATH", "")])
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         str(TESTS / "quantized_cuda_cases.py")],
-        cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]

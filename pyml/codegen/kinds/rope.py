@@ -1,0 +1,37 @@
+"""rope: the rotary position embedding of q and k heads in place, by the cos/sin table of the
+op's layer type: a block rotation, whose adjoint is the transposed rotation (Lean law
+rotation_adjoint), applied to the gradient in place."""
+
+from __future__ import annotations
+
+from pyml.codegen.calls import Act, Call, Code, Grad, Statement, StepInput, kernel
+from pyml.codegen.ir import Op
+from pyml.codegen.kinds.base import BackwardEnv, ForwardEnv, Kind
+
+
+def table_lookup(op: Op) -> Call:
+    """cos, sin = the table of this layer's type (`self.rope_table`)."""
+    return Call("self.rope_table", (Code(f"{op.attrs['tables']}[l]"),), ("cos", "sin"))
+
+
+class Rope(Kind):
+    name = "rope"
+    laws = ("rotation_adjoint",)
+
+    def forward(self, op: Op, env: ForwardEnv) -> list[Statement]:
+        x = Act(op.inputs[0])
+        if env.mode == "step":  # the tables of every layer type, indexed by the layer's
+            table = op.attrs["tables"]
+            cos = StepInput(f"{table.lower()}_cos", f"tuple(model.rope[t][0] for t in {table})", "[l]")
+            sin = StepInput(f"{table.lower()}_sin", f"tuple(model.rope[t][1] for t in {table})", "[l]")
+            return [kernel(op.prefix, "forward", x, cos, sin, Code("position"))]
+        offset = Code("position" if env.mode == "decode" else "0")
+        return [table_lookup(op), kernel(op.prefix, "forward", x, Code("cos"), Code("sin"), offset)]
+
+    def adjoint(self, op: Op, env: BackwardEnv) -> list[Statement]:
+        # in place: the rotated gradient replaces the gradient of the rotation
+        return [table_lookup(op),
+                kernel(op.prefix, "backward", Grad(op.outputs[0]), Code("cos"), Code("sin"))]
+
+
+KIND = Rope()
