@@ -98,7 +98,6 @@ def smollm2_reference():
 def one_step_checkpoint(tmp_path_factory, spec: str, init: Path) -> Path:
     """The checkpoint of one training step (a batch of one 32-token sequence) from `init`, on a
     few lines of text (tokenising the default corpus would take longer than the step)."""
-    pytest.importorskip(f"gen.{spec}", reason=f"gen/{spec} not generated: run `make gen`")
     from model_folders import tiny_text
 
     from pyml.runtime.train import train

@@ -23,6 +23,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from project_packages import project_package  # noqa: E402
 from pyml.errors import PymlError  # noqa: E402
 from pyml.runtime import gradient_exchange  # noqa: E402
 from pyml.runtime.data import encode_documents, load_corpus, next_token_pairs, pack, split_documents  # noqa: E402
@@ -37,7 +38,7 @@ def decoder_pairs():
     """pydoc_data folded into llama_tiny's 96 ids (as tests/test_train.py), with some targets
     ignored: a scattered fifth of them, and every fifth row entirely, so that the ranks' slices of
     a batch count different numbers of targets, sometimes none."""
-    import gen.llama_tiny as llama
+    llama = project_package("llama_tiny")
 
     train_documents, held_out_documents = split_documents(load_corpus(None)[:12], seed=0)
 
@@ -131,7 +132,6 @@ class Faulty:
 def make_model(run, rank: int):
     """A run's package and fresh model: the spec's, or with run["lora"] (a [lora] table) the
     spec's LoRA package (as `pyml train --lora-rank` generates it) on the base weights run["base"]."""
-    import importlib
 
     if run.get("lora"):
         from pyml.runtime.lora import lora_spec
@@ -139,7 +139,7 @@ def make_model(run, rank: int):
         _, package = lora_spec(ROOT / "specs" / f"{run['model']}.toml", run["lora"])
         model = package.Model.from_base(run["base"], seed=0, dtype=np.float64)
     else:
-        package = importlib.import_module(f"gen.{run['model']}")
+        package = project_package(run["model"])
         model = package.Model.initialized(seed=0, dtype=np.float64)
     if run.get("buckets"):
         model = ReportsBuckets(model, run["buckets"])

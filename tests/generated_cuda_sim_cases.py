@@ -9,10 +9,10 @@ a GPU, run this file directly without the variable to test the real device.
 
 import numpy as np
 import pytest
+from project_packages import project_package
 
-import gen.llama_tiny as llama
-import gen.mlp_digits as mlp
-
+llama = project_package("llama_tiny")
+mlp = project_package("mlp_digits")
 TOL = dict(rtol=1e-12, atol=1e-14)
 
 

@@ -5,8 +5,10 @@ from pathlib import Path
 
 import numpy as np
 
-from gen.llama_tiny import model as tiny
+from project_packages import project_package
 from pyml.spec import load_spec
+
+tiny = project_package("llama_tiny").model
 
 ROOT = Path(__file__).resolve().parents[1]
 

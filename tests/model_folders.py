@@ -3,7 +3,7 @@
 Each is made as a user makes one: a GGUF written the way llama.cpp's converter writes it (with the
 gguf package: llama's Q and K rows permuted, Gemma's norm gains stored as 1 + w, the tokenizer as
 metadata), imported with `pyml import-gguf`. The llama one has `specs/llama_tiny.toml`'s dims, so
-that `gen.llama_tiny` trains it; the gemma one is small and has six layers (five sliding-window
+that gen/llama_tiny trains it; the gemma one is small and has six layers (five sliding-window
 ones and a global one), a user-defined token and a SentencePiece vocabulary.
 """
 

@@ -6,6 +6,7 @@ import json
 import numpy as np
 import pytest
 
+from project_packages import project_package
 from pyml.errors import PymlError
 from pyml.runtime.checkpoint import (
     latest_checkpoint,
@@ -15,7 +16,7 @@ from pyml.runtime.checkpoint import (
     save_checkpoint,
 )
 
-m = pytest.importorskip("gen.mlp_digits", reason="gen/mlp_digits not generated: run `make gen`")
+m = project_package("mlp_digits")
 
 
 def trained_model(steps=3):
@@ -64,7 +65,7 @@ def test_an_unfinished_checkpoint_is_never_the_latest(tmp_path):
 def test_a_checkpoint_of_another_model_is_refused(tmp_path):
     model, optimizer = trained_model()
     path = save_checkpoint(tmp_path, model, optimizer, {"step": 3})
-    llama = pytest.importorskip("gen.llama_tiny")
+    llama = project_package("llama_tiny")
     other = llama.Model()
     with pytest.raises(PymlError, match="missing tensor"):
         load_checkpoint(path, other, llama.AdamW(other))

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import distributed_worker as worker
+from project_packages import project_package
 from pyml.runtime.checkpoint import latest_checkpoint, list_checkpoints, read_state
 from pyml.runtime.train import run_training
 
@@ -79,7 +80,7 @@ MANY = dict(buckets=13, piece_elements=700, staging_slots=2)
 
 def lora_base(folder: Path) -> str:
     """The frozen weights LoRA runs train adapters on: llama_tiny's, seeded."""
-    import gen.llama_tiny as llama
+    llama = project_package("llama_tiny")
 
     path = folder / "base.safetensors"
     llama.Model.initialized(seed=3, dtype=np.float64).to_safetensors(path)

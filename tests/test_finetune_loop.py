@@ -4,7 +4,7 @@ transformers, export it to GGUF and run that where they run models.
 A checkpoint is a model folder: transformers' `from_pretrained` loads it and computes our logits;
 `pyml generate` runs it; `pyml export-gguf` writes it as a GGUF that transformers (`gguf_file=`)
 and llama.cpp load, with the greedy tokens of `pyml generate` on the checkpoint. The tiny llama
-(`gen.llama_tiny`, float64) checks it exactly; the real SmolLM2-135M and Gemma 3 270M (slow)
+(gen/llama_tiny, float64) checks it exactly; the real SmolLM2-135M and Gemma 3 270M (slow)
 check it in float32. Also: resume stays bit-identical, the digits MLP's checkpoint, the held-out
 baseline at step 0 and the loss curve.
 """
@@ -19,6 +19,7 @@ import pytest
 import torch
 from model_folders import LLAMA_ATTENTION, tiny_text
 
+from project_packages import project_package
 from pyml.runtime import generate as generation
 from pyml.runtime.checkpoint import read_state
 from pyml.runtime.gguf_export import export_gguf
@@ -33,7 +34,7 @@ SPECS = ROOT / "specs"
 QUESTION = "What is the capital of France?"
 PROMPT = "The capital of France is"
 
-llama = pytest.importorskip("gen.llama_tiny", reason="gen/llama_tiny not generated: run `make gen`")
+llama = project_package("llama_tiny")
 
 
 def pyml(*args: str) -> subprocess.CompletedProcess:
@@ -187,7 +188,7 @@ def test_the_loss_curve_shows_what_people_expect(tiny_run):
 
 
 def test_the_digits_mlp_checkpoint_holds_its_weights_and_spec(tmp_path):
-    mlp = pytest.importorskip("gen.mlp_digits")
+    mlp = project_package("mlp_digits")
     result = train(SPECS / "mlp_digits.toml", steps=1, out=tmp_path, progress=False)
     assert sorted(path.name for path in result.checkpoint.iterdir()) == [
         "model.safetensors", "optimizer.safetensors", "spec.toml", "state.json"

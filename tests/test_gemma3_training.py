@@ -27,6 +27,7 @@ from transformers.models.gemma3 import modeling_gemma3
 
 from generator_fuzz import generated_package, random_tensors, relative_error
 from real_model_training import our_losses, relative_differences, torch_losses
+from project_packages import project_package
 from pyml.runtime.data import encode_documents, load_corpus, next_token_pairs, pack, start_id
 from pyml.runtime.hf_config import config_mismatches
 
@@ -53,7 +54,7 @@ def text_batches(gemma3_dir):
 
 @pytest.mark.slow
 def test_three_adamw_steps_match_pytorch_in_float32(gemma3_dir):
-    import gen.gemma3_270m as package
+    package = project_package("gemma3_270m")
 
     batches = text_batches(gemma3_dir)
     expected = torch_losses(Gemma3ForCausalLM, gemma3_dir, batches)

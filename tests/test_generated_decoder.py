@@ -15,9 +15,11 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama import modeling_llama
 
-import gen.llama_tiny as tiny
-from gen.llama_tiny import model as tiny_model
+from project_packages import project_package
 from pyml.spec import load_spec
+
+tiny = project_package("llama_tiny")
+tiny_model = tiny.model
 
 ROOT = Path(__file__).resolve().parents[1]
 # read from the spec, not the generated package: a kernel that ignored the spec's theta would

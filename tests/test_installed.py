@@ -61,7 +61,7 @@ class Installed:
 
 
 def git_status() -> str:
-    return subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all"],
+    return subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"],
                           cwd=ROOT, capture_output=True, text=True, check=True).stdout
 
 

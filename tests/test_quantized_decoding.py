@@ -29,7 +29,7 @@ from quantized_cases import (
     step_weight,
 )
 
-from gen.llama_tiny import model as tiny
+from project_packages import project_package
 from pyml import exact
 from pyml.errors import PymlError
 from pyml.package import quantized_dot
@@ -44,6 +44,8 @@ from pyml.runtime.quantized_decoding import (
     weight_tuple,
     with_int8_activations,
 )
+
+tiny = project_package("llama_tiny").model
 
 
 def run_cpu_step(weight, layer, x):

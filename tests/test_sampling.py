@@ -10,9 +10,11 @@ import pytest
 import torch
 from scipy.stats import binom
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+from project_packages import project_package
 
-import gen.llama_tiny as tiny
 from pyml.runtime import generate as generation
+
+tiny = project_package("llama_tiny")
 
 VOCAB = 50
 TEMPERATURES = [0.3, 0.7, 1.0, 1.8]

@@ -9,9 +9,10 @@ from real_model_training import our_losses, relative_differences, torch_losses
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
+from project_packages import project_package
 from pyml.runtime.data import load_corpus
 
-package = pytest.importorskip("gen.smollm2_135m", reason="gen/smollm2_135m not generated: run `make gen`")
+package = project_package("smollm2_135m")
 
 B, T, STEPS = 2, 64, 10
 

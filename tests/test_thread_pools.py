@@ -35,7 +35,8 @@ if sys.argv[1] == "torch_first":
     import torch
 before_pyml = set(loaded("openmp"))
 import numpy as np
-import gen.llama_tiny as package
+import pyml
+package = pyml.compile("specs/llama_tiny.toml")
 if sys.argv[1] == "torch_after":
     import torch
 

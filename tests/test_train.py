@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from project_packages import project_package
 from pyml.errors import PymlError
 from pyml.runtime.checkpoint import latest_checkpoint, list_checkpoints, read_state
 from pyml.runtime.data import encode_documents, load_corpus, next_token_pairs, pack, split_documents
@@ -23,8 +24,8 @@ SPECS = ROOT / "specs"
 DIGITS_ACCURACY = 0.95
 DIGITS_STEPS = 300
 
-llama = pytest.importorskip("gen.llama_tiny", reason="gen/llama_tiny not generated: run `make gen`")
-mlp = pytest.importorskip("gen.mlp_digits", reason="gen/mlp_digits not generated: run `make gen`")
+llama = project_package("llama_tiny")
+mlp = project_package("mlp_digits")
 
 
 def config(**changes) -> TrainingConfig:
@@ -202,15 +203,6 @@ def test_bad_options_are_refused(tmp_path, options, message):
         train(SPECS / "llama_tiny.toml", out=tmp_path, progress=False, **options)
 
 
-def test_a_spec_without_a_generated_package_asks_for_pyml_gen(tmp_path):
-    spec = tmp_path / "mlp_ungenerated.toml"
-    spec.write_text(
-        (SPECS / "mlp_digits.toml").read_text().replace('"mlp_digits"', '"mlp_ungenerated"')
-    )
-    with pytest.raises(PymlError, match=f"run `pyml gen {spec}` first"):
-        train(spec, out=tmp_path / "run", progress=False)
-
-
 def test_sequential_models_refuse_text_data(tmp_path):
     with pytest.raises(PymlError, match="leave out --data"):
         train(SPECS / "mlp_digits.toml", data=tmp_path, out=tmp_path / "run", progress=False)
@@ -223,7 +215,6 @@ def smollm2_dir(smollm2_folder):
 
 @pytest.mark.slow
 def test_smollm2_trains_on_the_python_documentation(smollm2_dir, tmp_path):
-    pytest.importorskip("gen.smollm2_135m", reason="gen/smollm2_135m not generated: run `make gen`")
     result = train(
         SPECS / "smollm2_135m.toml", init=smollm2_dir, steps=2, batch=1, seq=32, eval_every=2,
         eval_batches=2, checkpoint_every=2, out=tmp_path, progress=False,
