@@ -16,8 +16,8 @@ Keeping caches valid between mutants, so that each one compiles only what it cha
 - Numba's cache for the mutant is a hard-linked copy of the unmutated run's cache, thrown away
   afterwards (Numba replaces cache files, never writes into them, so the original stays intact).
 - Numba does not notice that an njit function imported from another file has changed: when a
-  changed file defines compiled functions, the cache entries of every module that imports it are
-  deleted from the mutant's copy.
+  changed file defines compiled functions, the cache entries of every module that imports it,
+  directly or through other modules, are deleted from the mutant's copy.
 - The kernel tests write rendered modules under TMPDIR, named by their content; TMPDIR is the
   scratch folder's, and what a mutant adds there is deleted after it.
 
@@ -163,23 +163,33 @@ def cache_folder(cache: Path, source: Path) -> Path:
     return cache / f"{os.path.split(folder)[-1]}_{hashlib.sha1(folder.encode()).hexdigest()}"
 
 
+def module_stem(path: Path) -> str:
+    """The last part of the name a file is imported by: its package's for an __init__.py."""
+    return path.parent.name if path.name == "__init__.py" else path.stem
+
+
 def forget_importers(cache: Path, changed: list[Path]) -> None:
     """Delete the cache entries of every module that imports a changed file defining compiled
-    functions: Numba checks only the stamp of the file a function is defined in."""
+    functions, directly or through others (a generated kernel module imports the shared kernels
+    through `pyml.package.cpu`): Numba checks only the stamp of the file a function is defined in."""
     compiled = [path for path in changed if path.suffix == ".py" and path.is_file()
                 and COMPILED.search(path.read_text(encoding="utf-8", errors="replace"))]
     if not compiled:
         return
-    sources = [path for root in (TREE, TMP) for path in root.rglob("*.py")
-               if "__pycache__" not in path.parts]
-    for changed_path in compiled:
-        stem = re.escape(changed_path.stem)
+    sources = {path: path.read_text(errors="replace") for root in (TREE, TMP) for path in root.rglob("*.py")
+               if "__pycache__" not in path.parts}
+    reached, frontier = set(compiled), list(compiled)
+    while frontier:
+        stem = re.escape(module_stem(frontier.pop()))
         imports = re.compile(rf"^\s*(?:from\s+[\w.]*\b{stem}\b|import\s+[\w.]*\b{stem}\b|"
                              rf"from\s+[\w.]+\s+import\s+.*\b{stem}\b)", re.MULTILINE)
-        for source in sources:
-            if source != changed_path and imports.search(source.read_text(errors="replace")):
-                for entry in cache_folder(cache, source).glob(f"{source.stem}.*"):
-                    entry.unlink()
+        for source, text in sources.items():
+            if source not in reached and imports.search(text):
+                reached.add(source)
+                frontier.append(source)
+    for source in reached - set(compiled):
+        for entry in cache_folder(cache, source).glob(f"{source.stem}.*"):
+            entry.unlink()
 
 
 def fresh_mutant_cache() -> None:

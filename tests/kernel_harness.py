@@ -1,7 +1,10 @@
-"""Render kernel blocks into a module and import it, for the kernel tests.
+"""Kernels of (kind, context) blocks as a generated package would call them, for the kernel tests.
 
-`load(target, blocks)` renders `blocks` (a list of (kind, context)) with the module header and
-imports it. The file goes to a fixed directory under the system temp dir, named by a hash of its
+`load(target, blocks)` gives each block's kernels under its prefix, `{p}_forward`, `{p}_backward`
+...: a kind rendered per op (`pyml.codegen.kinds`: `template`) from its rendered module, any other
+as its shared kernel (pyml/package/<target>) with the block's constants bound, as the kind's
+`kernels` says and the generated code passes them. The rendered module is written with the module
+header and imported. The file goes to a fixed directory under the system temp dir, named by a hash of its
 source and of the shared modules it imports, and written only when absent, so that Numba's
 `cache=True` (keyed on the file's path and mtime) makes a second test run skip compilation. CUDA
 modules must be loaded in a process that set NUMBA_ENABLE_CUDASIM=1 before numba.cuda was first
@@ -16,6 +19,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from functools import partial
+
+from pyml.codegen.kinds import KINDS
 from pyml.codegen.manifest import shared_hash
 from pyml.codegen.render import SHARED_KERNEL_MODULES, render_kernel_module
 
@@ -60,7 +66,26 @@ def all_blocks(target: str) -> list[tuple[str, dict]]:
     return blocks
 
 
-def load(target: str, blocks: list[tuple[str, dict]]):
+class Kernels:
+    """A rendered kernel module, and the shared kernels bound to each block's prefix."""
+
+    def __init__(self, module, bound: dict):
+        self.module, self.bound = module, bound
+
+    def __getattr__(self, name):
+        return self.bound[name] if name in self.bound else getattr(self.module, name)
+
+
+def load(target: str, blocks: list[tuple[str, dict]]) -> Kernels:
+    module = load_module(target, blocks)
+    bound = {f"{context['p']}_{suffix}": partial(getattr(module, name), **constants)
+             for kind, context in blocks if not KINDS[kind].template
+             for suffix, (name, constants) in KINDS[kind].kernels(context).items()
+             if hasattr(module, name)}  # rope_tables: the model fills the tables on the host
+    return Kernels(module, bound)
+
+
+def load_module(target: str, blocks: list[tuple[str, dict]]):
     source = render_kernel_module(target, blocks)
     # the shared modules the header imports are part of the name: Numba's cache of a module whose
     # own text did not change would otherwise keep what an edited shared module compiled to

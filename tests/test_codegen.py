@@ -1,5 +1,7 @@
 """The generator's links to the Lean laws, and the shape of what it emits."""
 
+import importlib
+import inspect
 import re
 from pathlib import Path
 
@@ -22,14 +24,27 @@ def test_every_law_the_generator_relies_on_is_stated_in_lean():
     assert relied_on <= set(LAWS)
 
 
+def kernel_sources(kind, target: str) -> str:
+    """The text of the kind's kernels: its templates, or the shared modules that define them."""
+    if kind.template:
+        return render.template_path(target, kind.name).read_text()
+    shared = importlib.import_module(f"pyml.package.{target}")
+    context = {"bias": False, "scale": 1.0, "eps": 1e-6, "unit_offset": False, "theta": 1e4}
+    kernels = [getattr(shared, name) for name, _ in kind.kernels(context).values()
+               if hasattr(shared, name)]  # rope_tables: the model fills the tables on the host
+    modules = {inspect.getmodule(getattr(kernel, "py_func", kernel)) for kernel in kernels}
+    return "".join(inspect.getsource(module) for module in modules)
+
+
 @pytest.mark.parametrize("target", render.TARGETS)
-@pytest.mark.parametrize("kind", sorted(name for name in KINDS if render.template_path("cpu", name).exists()))
-def test_each_kernel_template_names_the_laws_it_implements(target, kind):
-    text = render.template_path(target, kind).read_text()
+@pytest.mark.parametrize("kind", sorted(name for name, kind in KINDS.items() if kind.laws))
+def test_each_kinds_kernels_name_the_laws_they_implement(target, kind):
+    text = kernel_sources(KINDS[kind], target)
     assert set(re.findall(r"Lean law ([a-z_]+)", text)) <= set(LAWS), (
         f"{target}/{kind} names a law Lean does not state")
-    mentioned = {law for law in LAWS if re.search(rf"\b{law}\b", text)}
-    assert set(KINDS[kind].laws) <= mentioned
+    if target == "cpu" or KINDS[kind].template:  # the shared CUDA kernels say "as the CPU's"
+        mentioned = {law for law in LAWS if re.search(rf"\b{law}\b", text)}
+        assert set(KINDS[kind].laws) <= mentioned
 
 
 def test_a_law_instance_is_the_law_at_the_spec_dims():
@@ -73,16 +88,19 @@ def test_generated_backward_is_the_forward_reversed(package):
 @pytest.mark.parametrize("target", render.TARGETS)
 def test_a_layer_with_the_dims_of_an_earlier_one_shares_its_kernels(target):
     """Same kind and dims: the later layer's names are bound to the earlier block's functions (its
-    helpers stay private); other dims render a block of their own."""
+    helpers stay private); other dims render a block of their own. Kinds whose kernels are shared
+    render nothing at all."""
+    dims = {"n_heads": 4, "n_kv_heads": 2, "head_dim": 8, "scale": 0.25}
     source = render.render_kernel_module(target, [
-        ("rmsnorm", {"p": "attn_norm", "dim": 24, "eps": 1e-5, "unit_offset": False}),
-        ("rmsnorm", {"p": "mlp_norm", "dim": 24, "eps": 1e-5, "unit_offset": False}),
-        ("rmsnorm", {"p": "wide_norm", "dim": 32, "eps": 1e-5, "unit_offset": False}),
+        ("attention", {"p": "attn", **dims}),
+        ("attention", {"p": "local_attn", **dims}),
+        ("attention", {"p": "wide_attn", **dims, "head_dim": 16}),
+        ("rmsnorm", {"p": "norm", "dim": 24, "eps": 1e-5, "unit_offset": False}),
     ])
-    assert "def mlp_norm_" not in source
-    bindings = re.findall(r"^mlp_norm_(\w+) = attn_norm_(\w+)$", source, re.MULTILINE)
+    assert "def local_attn_" not in source
+    bindings = re.findall(r"^local_attn_(\w+) = attn_(\w+)$", source, re.MULTILINE)
     assert all(later == first for later, first in bindings)
     # the entry points the model calls, not the kernels and device helpers behind them
-    assert {name for name, _ in bindings} == {"forward", "forward_residual", "backward",
-                                              "backward_add"}
-    assert "def wide_norm_forward(" in source
+    assert {name for name, _ in bindings} >= {"forward", "backward", "decode"}
+    assert "def wide_attn_forward(" in source
+    assert "norm_" not in source.replace("rmsnorm_", "")

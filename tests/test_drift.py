@@ -38,14 +38,14 @@ def test_a_fresh_generation_has_no_drift(project):
     assert drift.find_drift(project) == []
 
 
-def test_hand_edit_of_a_kernel_is_caught(project):
-    kernels = project / "gen" / "mlp_digits" / "kernels_cpu.py"
-    original = kernels.read_text()
-    edited = original.replace("dy, w, out=dx", "dy, -w, out=dx", 1)
+def test_hand_edit_of_a_generated_file_is_caught(project):
+    model = project / "gen" / "mlp_digits" / "model.py"
+    original = model.read_text()
+    edited = original.replace("k.linear_bias_backward(", "k.linear_backward(", 1)
     assert edited != original
-    kernels.write_text(edited)
+    model.write_text(edited)
     drifts = drift.find_drift(project)
-    assert drifts == ["gen/mlp_digits/kernels_cpu.py: differs from a fresh generation "
+    assert drifts == ["gen/mlp_digits/model.py: differs from a fresh generation "
                       "(edited by hand (the inputs are unchanged))"]
 
 
@@ -72,17 +72,17 @@ def test_changed_law_statement_is_caught(project, tmp_path_factory, monkeypatch)
 
 
 def test_changed_template_not_regenerated_is_caught(project, tmp_path_factory, monkeypatch):
-    kinds = tmp_path_factory.mktemp("copy") / "kinds"
-    shutil.copytree(render.KINDS, kinds)
-    relu = kinds / "relu_cpu.py.j2"
-    relu.write_text(relu.read_text() + "\n# a new comment\n")
-    monkeypatch.setattr(render, "KINDS", kinds)
-    monkeypatch.setattr(render.ENVIRONMENT, "loader", jinja2.FileSystemLoader([render.TEMPLATES, kinds]))
+    templates = tmp_path_factory.mktemp("copy") / "templates"
+    shutil.copytree(render.TEMPLATES, templates)
+    model = templates / "model.py.j2"
+    model.write_text(model.read_text() + "\n# a new comment\n")
+    monkeypatch.setattr(render, "TEMPLATES", templates)
+    monkeypatch.setattr(render.ENVIRONMENT, "loader", jinja2.FileSystemLoader([templates, render.KINDS]))
     drifts = drift.find_drift(project)
     assert drifts == ["gen/mlp_digits/MANIFEST.json: differs from a fresh generation "
-                      "(template(s) changed since generation: kinds/relu_cpu.py.j2)",
-                      "gen/mlp_digits/kernels_cpu.py: differs from a fresh generation "
-                      "(template(s) changed since generation: kinds/relu_cpu.py.j2)"]
+                      "(template(s) changed since generation: templates/model.py.j2)",
+                      "gen/mlp_digits/model.py: differs from a fresh generation "
+                      "(template(s) changed since generation: templates/model.py.j2)"]
 
 
 def test_stray_file_in_gen_is_caught(project):

@@ -110,7 +110,8 @@ def installed(tmp_path_factory):
 def test_the_wheel_holds_pyml_with_its_laws_and_templates_and_no_gen_package(installed):
     names = zipfile.ZipFile(installed.wheel).namelist()
     for needed in ("pyml/lean/PyML/Laws.lean", "pyml/lean/lakefile.lean", "pyml/lean/lean-toolchain",
-                   "pyml/codegen/templates/cpu/attention.py.j2", "pyml/project_template/lean/lakefile.lean",
+                   "pyml/codegen/kinds/attention_cpu.py.j2", "pyml/codegen/templates/model.py.j2",
+                   "pyml/project_template/lean/lakefile.lean",
                    "pyml/project_template/specs/my_decoder.toml", "pyml/package/base.py"):
         assert needed in names, needed
     assert not [name for name in names if name.split("/")[0] in ("gen", "lean", "specs", "tests")]

@@ -1,4 +1,4 @@
-"""The vectorizable scalar math of the CPU kernels (`templates/cpu/vector_math.py.j2`) against
+"""The vectorizable scalar math of the CPU kernels (`pyml/package/vector_math.py`) against
 float64 references: exp within 1 ulp in float32 (and libm's exp exactly in float64), NaN passing
 through, the float64 sum and the lane-wise max on lengths that are and are not multiples of the
 lane count."""
@@ -9,13 +9,14 @@ import math
 
 import numpy as np
 import pytest
-from kernel_harness import load
 from numba import njit
+
+from pyml.package import vector_math
 
 
 @pytest.fixture(scope="module")
 def k():
-    return load("cpu", [("swiglu", dict(p="mlp", dim=4, hidden=8))])
+    return vector_math
 
 
 @pytest.fixture(scope="module")

@@ -32,10 +32,7 @@ LINEARS = (
         "mlp_gate_up",
         "mlp_gate_up",
         None,
-        (
-            ("model.layers.{l}.mlp.gate_proj.weight", 0, 2048),
-            ("model.layers.{l}.mlp.up_proj.weight", 2048, 4096),
-        ),
+        (("model.layers.{l}.mlp.gate_proj.weight", 0, 2048), ("model.layers.{l}.mlp.up_proj.weight", 2048, 4096)),
     ),
     ("mlp_down", "mlp_down", None, (("model.layers.{l}.mlp.down_proj.weight", 0, 640),)),
     ("lm_head", "embed", None, (("model.embed_tokens.weight", 0, 262144),)),
@@ -100,61 +97,68 @@ def decode_step(
     self_attn_v = self_attn_qkv[:, :, 5:6]
     self_attn_q_normed = self_attn_qk_normed[:, :, 0:4]
     self_attn_heads_out_rows = self_attn_heads_out.reshape((1, 1024))
-    k.embed_forward(ids, embed, stream_in)
+    k.embedding_forward(ids, embed, stream_in, scale=25.298221281347036)
     for l in range(N_LAYERS):
-        k.input_layernorm_forward(
-            stream_in, input_layernorm[l], input_layernorm_out, input_layernorm_rstd
+        k.rmsnorm_forward(
+            stream_in, input_layernorm[l], input_layernorm_out, input_layernorm_rstd, eps=1e-06, unit_offset=True
         )
         linear_row(self_attn_qkv_weight, l, input_layernorm_out, self_attn_qkv_rows)
-        k.self_attn_q_norm_forward(
-            self_attn_q_rows, self_attn_q_norm[l], self_attn_q_normed_rows, self_attn_q_norm_rstd
+        k.head_rmsnorm_forward(
+            self_attn_q_rows,
+            self_attn_q_norm[l],
+            self_attn_q_normed_rows,
+            self_attn_q_norm_rstd,
+            eps=1e-06,
+            unit_offset=True,
         )
-        k.self_attn_k_norm_forward(
-            self_attn_k_rows, self_attn_k_norm[l], self_attn_k_normed_rows, self_attn_k_norm_rstd
+        k.head_rmsnorm_forward(
+            self_attn_k_rows,
+            self_attn_k_norm[l],
+            self_attn_k_normed_rows,
+            self_attn_k_norm_rstd,
+            eps=1e-06,
+            unit_offset=True,
         )
-        k.rope_table0_forward(
-            self_attn_qk_normed_heads,
-            self_attn_rope_table_cos[l],
-            self_attn_rope_table_sin[l],
-            position,
-        )
+        k.rope_forward(self_attn_qk_normed_heads, self_attn_rope_table_cos[l], self_attn_rope_table_sin[l], position)
         slot, n_valid = cache_slot(SELF_ATTN_WINDOW[l], position)
         store_slot(self_attn_core_keys[l], slot, self_attn_k_normed)
         store_slot(self_attn_core_values[l], slot, self_attn_v)
         k.self_attn_core_decode(
-            self_attn_q_normed,
-            self_attn_core_keys[l],
-            self_attn_core_values[l],
-            n_valid,
-            self_attn_heads_out,
+            self_attn_q_normed, self_attn_core_keys[l], self_attn_core_values[l], n_valid, self_attn_heads_out
         )
         linear_row(self_attn_o_weight, l, self_attn_heads_out_rows, self_attn_o_out)
-        k.post_attention_layernorm_forward(
+        k.rmsnorm_forward(
             self_attn_o_out,
             post_attention_layernorm[l],
             post_attention_layernorm_out,
             post_attention_layernorm_rstd,
+            eps=1e-06,
+            unit_offset=True,
         )
-        k.pre_feedforward_layernorm_forward_residual(
+        k.rmsnorm_forward_residual(
             stream_in,
             post_attention_layernorm_out,
             residual0_out,
             pre_feedforward_layernorm[l],
             pre_feedforward_layernorm_out,
             pre_feedforward_layernorm_rstd,
+            eps=1e-06,
+            unit_offset=True,
         )
         linear_row(mlp_gate_up_weight, l, pre_feedforward_layernorm_out, mlp_gate_up_out)
-        k.mlp_glu_forward(mlp_gate_up_out, mlp_hidden)
+        k.geglu_forward(mlp_gate_up_out, mlp_hidden)
         linear_row(mlp_down_weight, l, mlp_hidden, mlp_down_out)
-        k.post_feedforward_layernorm_forward(
+        k.rmsnorm_forward(
             mlp_down_out,
             post_feedforward_layernorm[l],
             post_feedforward_layernorm_out,
             post_feedforward_layernorm_rstd,
+            eps=1e-06,
+            unit_offset=True,
         )
         k.residual_add(residual0_out, post_feedforward_layernorm_out, stream_out)
         stream_in, stream_out = stream_out, stream_in
-    k.final_norm_forward(stream_in, final_norm, final_norm_out, final_norm_rstd)
+    k.rmsnorm_forward(stream_in, final_norm, final_norm_out, final_norm_rstd, eps=1e-06, unit_offset=True)
     linear_row(lm_head_weight, 0, final_norm_out, logits)
 
 

@@ -19,96 +19,20 @@ DIM = 640
 N_LAYERS = 18
 MAX_SEQ_LEN = 32768
 TIED_HEAD = True
-SELF_ATTN_ROPE_TABLE = (0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 1)
-SELF_ATTN_WINDOW = (
-    512,
-    512,
-    512,
-    512,
-    512,
-    0,
-    512,
-    512,
-    512,
-    512,
-    512,
-    0,
-    512,
-    512,
-    512,
-    512,
-    512,
-    0,
-)
+SELF_ATTN_ROPE_TABLE = (0, 0, 0, 0, 0, 1) * 3
+SELF_ATTN_WINDOW = (512, 512, 512, 512, 512, 0) * 3
 N_HEADS = 4
 N_KV_HEADS = 1
 HEAD_DIM = 256
 HIDDEN = 2048
-ROPE_TABLES = (("rope_table0", 128), ("rope_table1", 128))
-ATTENTIONS = [
-    {
-        "windows": (
-            512,
-            512,
-            512,
-            512,
-            512,
-            0,
-            512,
-            512,
-            512,
-            512,
-            512,
-            0,
-            512,
-            512,
-            512,
-            512,
-            512,
-            0,
-        ),
-        "n_kv_heads": 1,
-        "head_dim": 256,
-    }
-]
-LAWS = (
-    "chain_adjoint",
-    "chain_transposed_forward",
-    "compose_adjoint",
-    "embedding_adjoint",
-    "hadamard_adjoint",
-    "linear_input_adjoint",
-    "linear_weight_adjoint_input",
-    "linear_weight_adjoint_weight",
-    "matmul_adjoint_left",
-    "matmul_adjoint_right",
-    "residual_adjoint",
-    "rotation_adjoint",
-    "smul_adjoint",
-)
+ROPE_TABLES = ((10000.0, 128), (1000000.0, 128))
+ATTENTIONS = [{"windows": SELF_ATTN_WINDOW, "n_kv_heads": 1, "head_dim": 256}]
 # (start, stop) of grads.flat in the order the backward pass makes them final
-GRAD_BUCKETS = [
-    (268097536, 268098176),
-    (262523904, 268097536),
-    (256950272, 262523904),
-    (251376640, 256950272),
-    (245803008, 251376640),
-    (240229376, 245803008),
-    (234655744, 240229376),
-    (229082112, 234655744),
-    (223508480, 229082112),
-    (217934848, 223508480),
-    (212361216, 217934848),
-    (206787584, 212361216),
-    (201213952, 206787584),
-    (195640320, 201213952),
-    (190066688, 195640320),
-    (184493056, 190066688),
-    (178919424, 184493056),
-    (173345792, 178919424),
-    (167772160, 173345792),
-    (0, 167772160),
-]
+GRAD_BUCKETS = (
+    [(268097536, 268098176)]
+    + [(167772160 + l * 5573632, 167772160 + (l + 1) * 5573632) for l in reversed(range(N_LAYERS))]
+    + [(0, 167772160)]
+)
 
 
 class Parameters:
@@ -144,52 +68,16 @@ def tensor_table(params):
     table["model.embed_tokens.weight"] = (params.embed, "normal", 0)
     for l in range(N_LAYERS):
         table[f"model.layers.{l}.input_layernorm.weight"] = (params.input_layernorm[l], "zeros", 0)
-        table[f"model.layers.{l}.self_attn.q_proj.weight"] = (
-            params.self_attn_qkv[l][0:1024],
-            "normal",
-            640,
-        )
-        table[f"model.layers.{l}.self_attn.k_proj.weight"] = (
-            params.self_attn_qkv[l][1024:1280],
-            "normal",
-            640,
-        )
-        table[f"model.layers.{l}.self_attn.v_proj.weight"] = (
-            params.self_attn_qkv[l][1280:1536],
-            "normal",
-            640,
-        )
-        table[f"model.layers.{l}.self_attn.q_norm.weight"] = (
-            params.self_attn_q_norm[l],
-            "zeros",
-            0,
-        )
-        table[f"model.layers.{l}.self_attn.k_norm.weight"] = (
-            params.self_attn_k_norm[l],
-            "zeros",
-            0,
-        )
+        table[f"model.layers.{l}.self_attn.q_proj.weight"] = (params.self_attn_qkv[l][0:1024], "normal", 640)
+        table[f"model.layers.{l}.self_attn.k_proj.weight"] = (params.self_attn_qkv[l][1024:1280], "normal", 640)
+        table[f"model.layers.{l}.self_attn.v_proj.weight"] = (params.self_attn_qkv[l][1280:1536], "normal", 640)
+        table[f"model.layers.{l}.self_attn.q_norm.weight"] = (params.self_attn_q_norm[l], "zeros", 0)
+        table[f"model.layers.{l}.self_attn.k_norm.weight"] = (params.self_attn_k_norm[l], "zeros", 0)
         table[f"model.layers.{l}.self_attn.o_proj.weight"] = (params.self_attn_o[l], "normal", 1024)
-        table[f"model.layers.{l}.post_attention_layernorm.weight"] = (
-            params.post_attention_layernorm[l],
-            "zeros",
-            0,
-        )
-        table[f"model.layers.{l}.pre_feedforward_layernorm.weight"] = (
-            params.pre_feedforward_layernorm[l],
-            "zeros",
-            0,
-        )
-        table[f"model.layers.{l}.mlp.gate_proj.weight"] = (
-            params.mlp_gate_up[l][0:2048],
-            "normal",
-            640,
-        )
-        table[f"model.layers.{l}.mlp.up_proj.weight"] = (
-            params.mlp_gate_up[l][2048:4096],
-            "normal",
-            640,
-        )
+        table[f"model.layers.{l}.post_attention_layernorm.weight"] = (params.post_attention_layernorm[l], "zeros", 0)
+        table[f"model.layers.{l}.pre_feedforward_layernorm.weight"] = (params.pre_feedforward_layernorm[l], "zeros", 0)
+        table[f"model.layers.{l}.mlp.gate_proj.weight"] = (params.mlp_gate_up[l][0:2048], "normal", 640)
+        table[f"model.layers.{l}.mlp.up_proj.weight"] = (params.mlp_gate_up[l][2048:4096], "normal", 640)
         table[f"model.layers.{l}.mlp.down_proj.weight"] = (params.mlp_down[l], "normal", 2048)
         table[f"model.layers.{l}.post_feedforward_layernorm.weight"] = (
             params.post_feedforward_layernorm[l],
@@ -206,45 +94,34 @@ def hf_tensors(params):
 
 
 class Activations:
-    """What the forward pass writes, allocated once per (B, T); storages the backward reads are
-    kept per layer."""
+    """What the forward pass writes, allocated once per (B, T); what the backward reads is kept per
+    layer (a leading N_LAYERS axis)."""
 
     def __init__(self, device, B, T):
         N = B * T
         zeros = device.zeros
         self.ids = zeros((N,), np.int64)
-        self.stream = zeros(
-            (N_LAYERS + 1, N, 640)
-        )  # the residual stream at each block's input, and the last output
-        self.input_layernorm_out = zeros((N_LAYERS, N, 640))  # saved per layer for the backward
-        self.input_layernorm_rstd = zeros((N_LAYERS, N))  # saved per layer for the backward
-        self.self_attn_qkv = zeros((N_LAYERS, B, T, 6, 256))  # saved per layer for the backward
-        self.self_attn_qk_normed = zeros(
-            (N_LAYERS, B, T, 5, 256)
-        )  # saved per layer for the backward
-        self.self_attn_q_norm_rstd = zeros((N_LAYERS, N, 4))  # saved per layer for the backward
-        self.self_attn_k_norm_rstd = zeros((N_LAYERS, N, 1))  # saved per layer for the backward
-        self.self_attn_heads_out = zeros((N_LAYERS, B, T, 1024))  # saved per layer for the backward
-        self.self_attn_probs = zeros((N_LAYERS, B, 4, T, T))  # saved per layer for the backward
-        self.self_attn_o_out = zeros((N_LAYERS, N, 640))  # saved per layer for the backward
+        # the residual stream at each block's input, and the last output
+        self.stream = zeros((N_LAYERS + 1, N, 640))
+        self.input_layernorm_out = zeros((N_LAYERS, N, 640))
+        self.input_layernorm_rstd = zeros((N_LAYERS, N))
+        self.self_attn_qkv = zeros((N_LAYERS, B, T, 6, 256))
+        self.self_attn_qk_normed = zeros((N_LAYERS, B, T, 5, 256))
+        self.self_attn_q_norm_rstd = zeros((N_LAYERS, N, 4))
+        self.self_attn_k_norm_rstd = zeros((N_LAYERS, N, 1))
+        self.self_attn_heads_out = zeros((N_LAYERS, B, T, 1024))
+        self.self_attn_probs = zeros((N_LAYERS, B, 4, T, T))
+        self.self_attn_o_out = zeros((N_LAYERS, N, 640))
         self.post_attention_layernorm_out = zeros((N, 640))
-        self.post_attention_layernorm_rstd = zeros(
-            (N_LAYERS, N)
-        )  # saved per layer for the backward
-        self.residual0_out = zeros((N_LAYERS, N, 640))  # saved per layer for the backward
-        self.pre_feedforward_layernorm_out = zeros(
-            (N_LAYERS, N, 640)
-        )  # saved per layer for the backward
-        self.pre_feedforward_layernorm_rstd = zeros(
-            (N_LAYERS, N)
-        )  # saved per layer for the backward
-        self.mlp_gate_up_out = zeros((N_LAYERS, N, 4096))  # saved per layer for the backward
-        self.mlp_hidden = zeros((N_LAYERS, N, 2048))  # saved per layer for the backward
-        self.mlp_down_out = zeros((N_LAYERS, N, 640))  # saved per layer for the backward
+        self.post_attention_layernorm_rstd = zeros((N_LAYERS, N))
+        self.residual0_out = zeros((N_LAYERS, N, 640))
+        self.pre_feedforward_layernorm_out = zeros((N_LAYERS, N, 640))
+        self.pre_feedforward_layernorm_rstd = zeros((N_LAYERS, N))
+        self.mlp_gate_up_out = zeros((N_LAYERS, N, 4096))
+        self.mlp_hidden = zeros((N_LAYERS, N, 2048))
+        self.mlp_down_out = zeros((N_LAYERS, N, 640))
         self.post_feedforward_layernorm_out = zeros((N, 640))
-        self.post_feedforward_layernorm_rstd = zeros(
-            (N_LAYERS, N)
-        )  # saved per layer for the backward
+        self.post_feedforward_layernorm_rstd = zeros((N_LAYERS, N))
         self.final_norm_out = zeros((N, 640))
         self.final_norm_rstd = zeros((N,))
         self.logits = zeros((N, 262144))
@@ -254,13 +131,9 @@ class Activations:
         self.self_attn_v = heads(self.self_attn_qkv, 5, 6)
         self.self_attn_qk = heads(self.self_attn_qkv, 0, 5)
         self.self_attn_q_rows = heads(self.self_attn_qkv.reshape((N_LAYERS, N, 6, 256)), 0, 4)
-        self.self_attn_q_normed_rows = heads(
-            self.self_attn_qk_normed.reshape((N_LAYERS, N, 5, 256)), 0, 4
-        )
+        self.self_attn_q_normed_rows = heads(self.self_attn_qk_normed.reshape((N_LAYERS, N, 5, 256)), 0, 4)
         self.self_attn_k_rows = heads(self.self_attn_qkv.reshape((N_LAYERS, N, 6, 256)), 4, 5)
-        self.self_attn_k_normed_rows = heads(
-            self.self_attn_qk_normed.reshape((N_LAYERS, N, 5, 256)), 4, 5
-        )
+        self.self_attn_k_normed_rows = heads(self.self_attn_qk_normed.reshape((N_LAYERS, N, 5, 256)), 4, 5)
         self.self_attn_q_normed = heads(self.self_attn_qk_normed, 0, 4)
         self.self_attn_k_normed = heads(self.self_attn_qk_normed, 4, 5)
         self.self_attn_qk_normed_heads = heads(self.self_attn_qk_normed, 0, 5)
@@ -287,12 +160,8 @@ class Gradients:
         self.self_attn_qk_normed = zeros((B, T, 5, 256))
         self.self_attn_qkv = zeros((B, T, 6, 256))
         self.block_in = self.stream
-        self.post_attention_layernorm_out = (
-            self.stream
-        )  # a residual join passes its gradient through
-        self.post_feedforward_layernorm_out = (
-            self.stream
-        )  # a residual join passes its gradient through
+        self.post_attention_layernorm_out = self.stream  # a residual join passes its gradient through
+        self.post_feedforward_layernorm_out = self.stream  # a residual join passes its gradient through
         self.residual0_out = self.stream  # a residual join passes its gradient through
         self.self_attn_heads_out_rows = self.self_attn_heads_out.reshape((N, 1024))
         self.self_attn_k_normed = heads(self.self_attn_qk_normed, 4, 5)
@@ -381,37 +250,41 @@ class Model(base.DecoderModel):
     def run_forward(self, s):
         self.run_layers(s)
         k, p = self.device.kernels, self.params
-        k.final_norm_forward(s.stream[-1], p.final_norm, s.final_norm_out, s.final_norm_rstd)
-        k.lm_head_forward(s.final_norm_out, p.embed, s.logits)
+        k.rmsnorm_forward(s.stream[-1], p.final_norm, s.final_norm_out, s.final_norm_rstd, eps=1e-06, unit_offset=True)
+        k.linear_forward(s.final_norm_out, p.embed, s.logits)
 
     def run_layers(self, s):
         """The forward ops before the tail's."""
         k, p = self.device.kernels, self.params
-        k.embed_forward(s.ids, p.embed, s.stream[0])
+        k.embedding_forward(s.ids, p.embed, s.stream[0], scale=25.298221281347036)
         for l in range(N_LAYERS):
-            k.input_layernorm_forward(
+            k.rmsnorm_forward(
                 s.stream[l],
                 p.input_layernorm[l],
                 s.input_layernorm_out[l],
                 s.input_layernorm_rstd[l],
+                eps=1e-06,
+                unit_offset=True,
             )
-            k.self_attn_qkv_forward(
-                s.input_layernorm_out[l], p.self_attn_qkv[l], s.self_attn_qkv_rows[l]
-            )
-            k.self_attn_q_norm_forward(
+            k.linear_forward(s.input_layernorm_out[l], p.self_attn_qkv[l], s.self_attn_qkv_rows[l])
+            k.head_rmsnorm_forward(
                 s.self_attn_q_rows[l],
                 p.self_attn_q_norm[l],
                 s.self_attn_q_normed_rows[l],
                 s.self_attn_q_norm_rstd[l],
+                eps=1e-06,
+                unit_offset=True,
             )
-            k.self_attn_k_norm_forward(
+            k.head_rmsnorm_forward(
                 s.self_attn_k_rows[l],
                 p.self_attn_k_norm[l],
                 s.self_attn_k_normed_rows[l],
                 s.self_attn_k_norm_rstd[l],
+                eps=1e-06,
+                unit_offset=True,
             )
             cos, sin = self.rope_table(SELF_ATTN_ROPE_TABLE[l])
-            k.rope_table0_forward(s.self_attn_qk_normed_heads[l], cos, sin, 0)
+            k.rope_forward(s.self_attn_qk_normed_heads[l], cos, sin, 0)
             k.self_attn_core_forward(
                 s.self_attn_q_normed[l],
                 s.self_attn_k_normed[l],
@@ -420,33 +293,35 @@ class Model(base.DecoderModel):
                 s.self_attn_heads_out[l],
                 SELF_ATTN_WINDOW[l],
             )
-            k.self_attn_o_forward(
-                s.self_attn_heads_out_rows[l], p.self_attn_o[l], s.self_attn_o_out[l]
-            )
-            k.post_attention_layernorm_forward(
+            k.linear_forward(s.self_attn_heads_out_rows[l], p.self_attn_o[l], s.self_attn_o_out[l])
+            k.rmsnorm_forward(
                 s.self_attn_o_out[l],
                 p.post_attention_layernorm[l],
                 s.post_attention_layernorm_out,
                 s.post_attention_layernorm_rstd[l],
+                eps=1e-06,
+                unit_offset=True,
             )
-            k.pre_feedforward_layernorm_forward_residual(
+            k.rmsnorm_forward_residual(
                 s.stream[l],
                 s.post_attention_layernorm_out,
                 s.residual0_out[l],
                 p.pre_feedforward_layernorm[l],
                 s.pre_feedforward_layernorm_out[l],
                 s.pre_feedforward_layernorm_rstd[l],
+                eps=1e-06,
+                unit_offset=True,
             )
-            k.mlp_gate_up_forward(
-                s.pre_feedforward_layernorm_out[l], p.mlp_gate_up[l], s.mlp_gate_up_out[l]
-            )
-            k.mlp_glu_forward(s.mlp_gate_up_out[l], s.mlp_hidden[l])
-            k.mlp_down_forward(s.mlp_hidden[l], p.mlp_down[l], s.mlp_down_out[l])
-            k.post_feedforward_layernorm_forward(
+            k.linear_forward(s.pre_feedforward_layernorm_out[l], p.mlp_gate_up[l], s.mlp_gate_up_out[l])
+            k.geglu_forward(s.mlp_gate_up_out[l], s.mlp_hidden[l])
+            k.linear_forward(s.mlp_hidden[l], p.mlp_down[l], s.mlp_down_out[l])
+            k.rmsnorm_forward(
                 s.mlp_down_out[l],
                 p.post_feedforward_layernorm[l],
                 s.post_feedforward_layernorm_out,
                 s.post_feedforward_layernorm_rstd[l],
+                eps=1e-06,
+                unit_offset=True,
             )
             k.residual_add(s.residual0_out[l], s.post_feedforward_layernorm_out, s.stream[l + 1])
 
@@ -457,36 +332,36 @@ class Model(base.DecoderModel):
         # loss (loss)
         loss = k.loss_forward_backward(s.logits, s.targets, s.logits)
         # lm_head (linear); Lean: linear_input_adjoint, linear_weight_adjoint_input, linear_weight_adjoint_weight
-        k.lm_head_backward(s.final_norm_out, p.embed, s.logits, g.final_norm_out, gr.embed)
+        k.linear_backward(s.final_norm_out, p.embed, s.logits, g.final_norm_out, gr.embed)
         # final_norm (rmsnorm); Lean: hadamard_adjoint
-        k.final_norm_backward(
+        k.rmsnorm_backward(
             s.stream[-1],
             p.final_norm,
             s.final_norm_rstd,
             g.final_norm_out,
             g.stream_last,
             gr.final_norm,
+            unit_offset=True,
         )
         ready(0)
         for l in reversed(range(N_LAYERS)):
             # residual1 (residual); Lean: residual_adjoint
             # post_feedforward_layernorm (rmsnorm); Lean: hadamard_adjoint
-            k.post_feedforward_layernorm_backward(
+            k.rmsnorm_backward(
                 s.mlp_down_out[l],
                 p.post_feedforward_layernorm[l],
                 s.post_feedforward_layernorm_rstd[l],
                 g.post_feedforward_layernorm_out,
                 g.mlp_down_out,
                 gr.post_feedforward_layernorm[l],
+                unit_offset=True,
             )
             # mlp_down (linear); Lean: linear_input_adjoint, linear_weight_adjoint_input, linear_weight_adjoint_weight
-            k.mlp_down_backward(
-                s.mlp_hidden[l], p.mlp_down[l], g.mlp_down_out, g.mlp_hidden, gr.mlp_down[l]
-            )
+            k.linear_backward(s.mlp_hidden[l], p.mlp_down[l], g.mlp_down_out, g.mlp_hidden, gr.mlp_down[l])
             # mlp_glu (geglu); Lean: hadamard_adjoint
-            k.mlp_glu_backward(s.mlp_gate_up_out[l], g.mlp_hidden, g.mlp_gate_up_out)
+            k.geglu_backward(s.mlp_gate_up_out[l], g.mlp_hidden, g.mlp_gate_up_out)
             # mlp_gate_up (linear); Lean: linear_input_adjoint, linear_weight_adjoint_input, linear_weight_adjoint_weight
-            k.mlp_gate_up_backward(
+            k.linear_backward(
                 s.pre_feedforward_layernorm_out[l],
                 p.mlp_gate_up[l],
                 g.mlp_gate_up_out,
@@ -494,26 +369,28 @@ class Model(base.DecoderModel):
                 gr.mlp_gate_up[l],
             )
             # pre_feedforward_layernorm (rmsnorm); Lean: hadamard_adjoint
-            k.pre_feedforward_layernorm_backward_add(
+            k.rmsnorm_backward_add(
                 s.residual0_out[l],
                 p.pre_feedforward_layernorm[l],
                 s.pre_feedforward_layernorm_rstd[l],
                 g.pre_feedforward_layernorm_out,
                 g.residual0_out,
                 gr.pre_feedforward_layernorm[l],
+                unit_offset=True,
             )
             # residual0 (residual); Lean: residual_adjoint
             # post_attention_layernorm (rmsnorm); Lean: hadamard_adjoint
-            k.post_attention_layernorm_backward(
+            k.rmsnorm_backward(
                 s.self_attn_o_out[l],
                 p.post_attention_layernorm[l],
                 s.post_attention_layernorm_rstd[l],
                 g.post_attention_layernorm_out,
                 g.self_attn_o_out,
                 gr.post_attention_layernorm[l],
+                unit_offset=True,
             )
             # self_attn_o (linear); Lean: linear_input_adjoint, linear_weight_adjoint_input, linear_weight_adjoint_weight
-            k.self_attn_o_backward(
+            k.linear_backward(
                 s.self_attn_heads_out_rows[l],
                 p.self_attn_o[l],
                 g.self_attn_o_out,
@@ -534,27 +411,29 @@ class Model(base.DecoderModel):
             )
             # rope_table0 (rope); Lean: rotation_adjoint
             cos, sin = self.rope_table(SELF_ATTN_ROPE_TABLE[l])
-            k.rope_table0_backward(g.self_attn_qk_normed_heads, cos, sin)
+            k.rope_backward(g.self_attn_qk_normed_heads, cos, sin)
             # self_attn_k_norm (head_rmsnorm); Lean: hadamard_adjoint
-            k.self_attn_k_norm_backward(
+            k.head_rmsnorm_backward(
                 s.self_attn_k_rows[l],
                 p.self_attn_k_norm[l],
                 s.self_attn_k_norm_rstd[l],
                 g.self_attn_k_normed_rows,
                 g.self_attn_k_rows,
                 gr.self_attn_k_norm[l],
+                unit_offset=True,
             )
             # self_attn_q_norm (head_rmsnorm); Lean: hadamard_adjoint
-            k.self_attn_q_norm_backward(
+            k.head_rmsnorm_backward(
                 s.self_attn_q_rows[l],
                 p.self_attn_q_norm[l],
                 s.self_attn_q_norm_rstd[l],
                 g.self_attn_q_normed_rows,
                 g.self_attn_q_rows,
                 gr.self_attn_q_norm[l],
+                unit_offset=True,
             )
             # self_attn_qkv (linear); Lean: linear_input_adjoint, linear_weight_adjoint_input, linear_weight_adjoint_weight
-            k.self_attn_qkv_backward(
+            k.linear_backward(
                 s.input_layernorm_out[l],
                 p.self_attn_qkv[l],
                 g.self_attn_qkv_rows,
@@ -562,75 +441,89 @@ class Model(base.DecoderModel):
                 gr.self_attn_qkv[l],
             )
             # input_layernorm (rmsnorm); Lean: hadamard_adjoint
-            k.input_layernorm_backward_add(
+            k.rmsnorm_backward_add(
                 s.stream[l],
                 p.input_layernorm[l],
                 s.input_layernorm_rstd[l],
                 g.input_layernorm_out,
                 g.block_in,
                 gr.input_layernorm[l],
+                unit_offset=True,
             )
             ready(1 + N_LAYERS - 1 - l)
         # embed (embedding); Lean: embedding_adjoint, smul_adjoint
-        k.embed_backward(s.ids, g.stream_first, gr.embed)
+        k.embedding_backward(s.ids, g.stream_first, gr.embed, scale=25.298221281347036)
         ready(1 + N_LAYERS)
         return loss
 
     def run_decode(self, c, position):
         """The forward ops on one position per sequence (`c.ids`), attending over the cache."""
         k, p = self.device.kernels, self.params
-        k.embed_forward(c.ids, p.embed, c.stream_in)
+        k.embedding_forward(c.ids, p.embed, c.stream_in, scale=25.298221281347036)
         for l in range(N_LAYERS):
-            k.input_layernorm_forward(
-                c.stream_in, p.input_layernorm[l], c.input_layernorm_out, c.input_layernorm_rstd
+            k.rmsnorm_forward(
+                c.stream_in,
+                p.input_layernorm[l],
+                c.input_layernorm_out,
+                c.input_layernorm_rstd,
+                eps=1e-06,
+                unit_offset=True,
             )
-            k.self_attn_qkv_forward(c.input_layernorm_out, p.self_attn_qkv[l], c.self_attn_qkv_rows)
-            k.self_attn_q_norm_forward(
+            k.linear_forward(c.input_layernorm_out, p.self_attn_qkv[l], c.self_attn_qkv_rows)
+            k.head_rmsnorm_forward(
                 c.self_attn_q_rows,
                 p.self_attn_q_norm[l],
                 c.self_attn_q_normed_rows,
                 c.self_attn_q_norm_rstd,
+                eps=1e-06,
+                unit_offset=True,
             )
-            k.self_attn_k_norm_forward(
+            k.head_rmsnorm_forward(
                 c.self_attn_k_rows,
                 p.self_attn_k_norm[l],
                 c.self_attn_k_normed_rows,
                 c.self_attn_k_norm_rstd,
+                eps=1e-06,
+                unit_offset=True,
             )
             cos, sin = self.rope_table(SELF_ATTN_ROPE_TABLE[l])
-            k.rope_table0_forward(c.self_attn_qk_normed_heads, cos, sin, position)
+            k.rope_forward(c.self_attn_qk_normed_heads, cos, sin, position)
             kc, vc, n_valid = c.append(0, l, position, c.self_attn_k_normed, c.self_attn_v)
             k.self_attn_core_decode(c.self_attn_q_normed, kc, vc, n_valid, c.self_attn_heads_out)
-            k.self_attn_o_forward(c.self_attn_heads_out_rows, p.self_attn_o[l], c.self_attn_o_out)
-            k.post_attention_layernorm_forward(
+            k.linear_forward(c.self_attn_heads_out_rows, p.self_attn_o[l], c.self_attn_o_out)
+            k.rmsnorm_forward(
                 c.self_attn_o_out,
                 p.post_attention_layernorm[l],
                 c.post_attention_layernorm_out,
                 c.post_attention_layernorm_rstd,
+                eps=1e-06,
+                unit_offset=True,
             )
-            k.pre_feedforward_layernorm_forward_residual(
+            k.rmsnorm_forward_residual(
                 c.stream_in,
                 c.post_attention_layernorm_out,
                 c.residual0_out,
                 p.pre_feedforward_layernorm[l],
                 c.pre_feedforward_layernorm_out,
                 c.pre_feedforward_layernorm_rstd,
+                eps=1e-06,
+                unit_offset=True,
             )
-            k.mlp_gate_up_forward(
-                c.pre_feedforward_layernorm_out, p.mlp_gate_up[l], c.mlp_gate_up_out
-            )
-            k.mlp_glu_forward(c.mlp_gate_up_out, c.mlp_hidden)
-            k.mlp_down_forward(c.mlp_hidden, p.mlp_down[l], c.mlp_down_out)
-            k.post_feedforward_layernorm_forward(
+            k.linear_forward(c.pre_feedforward_layernorm_out, p.mlp_gate_up[l], c.mlp_gate_up_out)
+            k.geglu_forward(c.mlp_gate_up_out, c.mlp_hidden)
+            k.linear_forward(c.mlp_hidden, p.mlp_down[l], c.mlp_down_out)
+            k.rmsnorm_forward(
                 c.mlp_down_out,
                 p.post_feedforward_layernorm[l],
                 c.post_feedforward_layernorm_out,
                 c.post_feedforward_layernorm_rstd,
+                eps=1e-06,
+                unit_offset=True,
             )
             k.residual_add(c.residual0_out, c.post_feedforward_layernorm_out, c.stream_out)
             c.stream_in, c.stream_out = c.stream_out, c.stream_in
-        k.final_norm_forward(c.stream_in, p.final_norm, c.final_norm_out, c.final_norm_rstd)
-        k.lm_head_forward(c.final_norm_out, p.embed, c.logits)
+        k.rmsnorm_forward(c.stream_in, p.final_norm, c.final_norm_out, c.final_norm_rstd, eps=1e-06, unit_offset=True)
+        k.linear_forward(c.final_norm_out, p.embed, c.logits)
 
     def run_prompt(self, s, c, T):
         """The forward ops over a prompt of T positions per sequence in `s`, the tail's on each
@@ -641,8 +534,8 @@ class Model(base.DecoderModel):
         k, p = self.device.kernels, self.params
         for b in range(c.stream_in.shape[0]):  # contiguous copies, which device arrays take too
             c.stream_in[b : b + 1] = s.stream[-1][(b + 1) * T - 1 : (b + 1) * T]
-        k.final_norm_forward(c.stream_in, p.final_norm, c.final_norm_out, c.final_norm_rstd)
-        k.lm_head_forward(c.final_norm_out, p.embed, c.logits)
+        k.rmsnorm_forward(c.stream_in, p.final_norm, c.final_norm_out, c.final_norm_rstd, eps=1e-06, unit_offset=True)
+        k.linear_forward(c.final_norm_out, p.embed, c.logits)
 
     def fill_cache(self, s, c, T):
         """Cache the keys and values the forward pass over a prompt of T tokens computed."""

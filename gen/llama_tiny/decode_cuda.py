@@ -32,10 +32,7 @@ LINEARS = (
         "mlp_gate_up",
         "mlp_gate_up",
         None,
-        (
-            ("model.layers.{l}.mlp.gate_proj.weight", 0, 64),
-            ("model.layers.{l}.mlp.up_proj.weight", 64, 128),
-        ),
+        (("model.layers.{l}.mlp.gate_proj.weight", 0, 64), ("model.layers.{l}.mlp.up_proj.weight", 64, 128)),
     ),
     ("mlp_down", "mlp_down", None, (("model.layers.{l}.mlp.down_proj.weight", 0, 32),)),
     ("lm_head", "embed", None, (("model.embed_tokens.weight", 0, 96),)),
@@ -85,40 +82,36 @@ def decode_step(
     self_attn_v = self_attn_qkv[:, :, 6:8]
     self_attn_q = self_attn_qkv[:, :, 0:4]
     self_attn_heads_out_rows = self_attn_heads_out.reshape((1, 32))
-    k.embed_forward(ids, embed, stream_in)
+    k.embedding_forward(ids, embed, stream_in, scale=1.0)
     for l in range(N_LAYERS):
-        k.input_layernorm_forward(
-            stream_in, input_layernorm[l], input_layernorm_out, input_layernorm_rstd
+        k.rmsnorm_forward(
+            stream_in, input_layernorm[l], input_layernorm_out, input_layernorm_rstd, eps=1e-05, unit_offset=False
         )
         linear_row(self_attn_qkv_weight, l, input_layernorm_out, self_attn_qkv_rows)
-        k.rope_table0_forward(
-            self_attn_qk, self_attn_rope_table_cos[l], self_attn_rope_table_sin[l], position
-        )
+        k.rope_forward(self_attn_qk, self_attn_rope_table_cos[l], self_attn_rope_table_sin[l], position)
         slot, n_valid = cache_slot(SELF_ATTN_WINDOW[l], position)
         store_slot(self_attn_core_keys[l], slot, self_attn_k)
         store_slot(self_attn_core_values[l], slot, self_attn_v)
         k.self_attn_core_decode(
-            self_attn_q,
-            self_attn_core_keys[l],
-            self_attn_core_values[l],
-            n_valid,
-            self_attn_heads_out,
+            self_attn_q, self_attn_core_keys[l], self_attn_core_values[l], n_valid, self_attn_heads_out
         )
         linear_row(self_attn_o_weight, l, self_attn_heads_out_rows, self_attn_o_out)
-        k.post_attention_layernorm_forward_residual(
+        k.rmsnorm_forward_residual(
             stream_in,
             self_attn_o_out,
             residual0_out,
             post_attention_layernorm[l],
             post_attention_layernorm_out,
             post_attention_layernorm_rstd,
+            eps=1e-05,
+            unit_offset=False,
         )
         linear_row(mlp_gate_up_weight, l, post_attention_layernorm_out, mlp_gate_up_out)
-        k.mlp_glu_forward(mlp_gate_up_out, mlp_hidden)
+        k.swiglu_forward(mlp_gate_up_out, mlp_hidden)
         linear_row(mlp_down_weight, l, mlp_hidden, mlp_down_out)
         k.residual_add(residual0_out, mlp_down_out, stream_out)
         stream_in, stream_out = stream_out, stream_in
-    k.final_norm_forward(stream_in, final_norm, final_norm_out, final_norm_rstd)
+    k.rmsnorm_forward(stream_in, final_norm, final_norm_out, final_norm_rstd, eps=1e-05, unit_offset=False)
     linear_row(lm_head_weight, 0, final_norm_out, logits)
 
 

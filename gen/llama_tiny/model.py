@@ -19,31 +19,18 @@ DIM = 32
 N_LAYERS = 2
 MAX_SEQ_LEN = 64
 TIED_HEAD = True
-SELF_ATTN_ROPE_TABLE = (0, 0)
-SELF_ATTN_WINDOW = (0, 0)
+SELF_ATTN_ROPE_TABLE = (0,) * 2
+SELF_ATTN_WINDOW = (0,) * 2
 N_HEADS = 4
 N_KV_HEADS = 2
 HEAD_DIM = 8
 HIDDEN = 64
-ROPE_TABLES = (("rope_table0", 4),)
-ATTENTIONS = [{"windows": (0, 0), "n_kv_heads": 2, "head_dim": 8}]
-LAWS = (
-    "chain_adjoint",
-    "chain_transposed_forward",
-    "compose_adjoint",
-    "embedding_adjoint",
-    "hadamard_adjoint",
-    "linear_input_adjoint",
-    "linear_weight_adjoint_input",
-    "linear_weight_adjoint_weight",
-    "matmul_adjoint_left",
-    "matmul_adjoint_right",
-    "residual_adjoint",
-    "rotation_adjoint",
-    "smul_adjoint",
-)
+ROPE_TABLES = ((50000.0, 4),)
+ATTENTIONS = [{"windows": SELF_ATTN_WINDOW, "n_kv_heads": 2, "head_dim": 8}]
 # (start, stop) of grads.flat in the order the backward pass makes them final
-GRAD_BUCKETS = [(21632, 21664), (12352, 21632), (3072, 12352), (0, 3072)]
+GRAD_BUCKETS = (
+    [(21632, 21664)] + [(3072 + l * 9280, 3072 + (l + 1) * 9280) for l in reversed(range(N_LAYERS))] + [(0, 3072)]
+)
 
 
 class Parameters:
@@ -75,37 +62,13 @@ def tensor_table(params):
     table["model.embed_tokens.weight"] = (params.embed, "normal", 0)
     for l in range(N_LAYERS):
         table[f"model.layers.{l}.input_layernorm.weight"] = (params.input_layernorm[l], "ones", 0)
-        table[f"model.layers.{l}.self_attn.q_proj.weight"] = (
-            params.self_attn_qkv[l][0:32],
-            "normal",
-            32,
-        )
-        table[f"model.layers.{l}.self_attn.k_proj.weight"] = (
-            params.self_attn_qkv[l][32:48],
-            "normal",
-            32,
-        )
-        table[f"model.layers.{l}.self_attn.v_proj.weight"] = (
-            params.self_attn_qkv[l][48:64],
-            "normal",
-            32,
-        )
+        table[f"model.layers.{l}.self_attn.q_proj.weight"] = (params.self_attn_qkv[l][0:32], "normal", 32)
+        table[f"model.layers.{l}.self_attn.k_proj.weight"] = (params.self_attn_qkv[l][32:48], "normal", 32)
+        table[f"model.layers.{l}.self_attn.v_proj.weight"] = (params.self_attn_qkv[l][48:64], "normal", 32)
         table[f"model.layers.{l}.self_attn.o_proj.weight"] = (params.self_attn_o[l], "normal", 32)
-        table[f"model.layers.{l}.post_attention_layernorm.weight"] = (
-            params.post_attention_layernorm[l],
-            "ones",
-            0,
-        )
-        table[f"model.layers.{l}.mlp.gate_proj.weight"] = (
-            params.mlp_gate_up[l][0:64],
-            "normal",
-            32,
-        )
-        table[f"model.layers.{l}.mlp.up_proj.weight"] = (
-            params.mlp_gate_up[l][64:128],
-            "normal",
-            32,
-        )
+        table[f"model.layers.{l}.post_attention_layernorm.weight"] = (params.post_attention_layernorm[l], "ones", 0)
+        table[f"model.layers.{l}.mlp.gate_proj.weight"] = (params.mlp_gate_up[l][0:64], "normal", 32)
+        table[f"model.layers.{l}.mlp.up_proj.weight"] = (params.mlp_gate_up[l][64:128], "normal", 32)
         table[f"model.layers.{l}.mlp.down_proj.weight"] = (params.mlp_down[l], "normal", 64)
     table["model.norm.weight"] = (params.final_norm, "ones", 0)
     return table
@@ -117,31 +80,26 @@ def hf_tensors(params):
 
 
 class Activations:
-    """What the forward pass writes, allocated once per (B, T); storages the backward reads are
-    kept per layer."""
+    """What the forward pass writes, allocated once per (B, T); what the backward reads is kept per
+    layer (a leading N_LAYERS axis)."""
 
     def __init__(self, device, B, T):
         N = B * T
         zeros = device.zeros
         self.ids = zeros((N,), np.int64)
-        self.stream = zeros(
-            (N_LAYERS + 1, N, 32)
-        )  # the residual stream at each block's input, and the last output
-        self.input_layernorm_out = zeros((N_LAYERS, N, 32))  # saved per layer for the backward
-        self.input_layernorm_rstd = zeros((N_LAYERS, N))  # saved per layer for the backward
-        self.self_attn_qkv = zeros((N_LAYERS, B, T, 8, 8))  # saved per layer for the backward
-        self.self_attn_heads_out = zeros((N_LAYERS, B, T, 32))  # saved per layer for the backward
-        self.self_attn_probs = zeros((N_LAYERS, B, 4, T, T))  # saved per layer for the backward
+        # the residual stream at each block's input, and the last output
+        self.stream = zeros((N_LAYERS + 1, N, 32))
+        self.input_layernorm_out = zeros((N_LAYERS, N, 32))
+        self.input_layernorm_rstd = zeros((N_LAYERS, N))
+        self.self_attn_qkv = zeros((N_LAYERS, B, T, 8, 8))
+        self.self_attn_heads_out = zeros((N_LAYERS, B, T, 32))
+        self.self_attn_probs = zeros((N_LAYERS, B, 4, T, T))
         self.self_attn_o_out = zeros((N, 32))
-        self.residual0_out = zeros((N_LAYERS, N, 32))  # saved per layer for the backward
-        self.post_attention_layernorm_out = zeros(
-            (N_LAYERS, N, 32)
-        )  # saved per layer for the backward
-        self.post_attention_layernorm_rstd = zeros(
-            (N_LAYERS, N)
-        )  # saved per layer for the backward
-        self.mlp_gate_up_out = zeros((N_LAYERS, N, 128))  # saved per layer for the backward
-        self.mlp_hidden = zeros((N_LAYERS, N, 64))  # saved per layer for the backward
+        self.residual0_out = zeros((N_LAYERS, N, 32))
+        self.post_attention_layernorm_out = zeros((N_LAYERS, N, 32))
+        self.post_attention_layernorm_rstd = zeros((N_LAYERS, N))
+        self.mlp_gate_up_out = zeros((N_LAYERS, N, 128))
+        self.mlp_hidden = zeros((N_LAYERS, N, 64))
         self.mlp_down_out = zeros((N, 32))
         self.final_norm_out = zeros((N, 32))
         self.final_norm_rstd = zeros((N,))
@@ -246,25 +204,25 @@ class Model(base.DecoderModel):
     def run_forward(self, s):
         self.run_layers(s)
         k, p = self.device.kernels, self.params
-        k.final_norm_forward(s.stream[-1], p.final_norm, s.final_norm_out, s.final_norm_rstd)
-        k.lm_head_forward(s.final_norm_out, p.embed, s.logits)
+        k.rmsnorm_forward(s.stream[-1], p.final_norm, s.final_norm_out, s.final_norm_rstd, eps=1e-05, unit_offset=False)
+        k.linear_forward(s.final_norm_out, p.embed, s.logits)
 
     def run_layers(self, s):
         """The forward ops before the tail's."""
         k, p = self.device.kernels, self.params
-        k.embed_forward(s.ids, p.embed, s.stream[0])
+        k.embedding_forward(s.ids, p.embed, s.stream[0], scale=1.0)
         for l in range(N_LAYERS):
-            k.input_layernorm_forward(
+            k.rmsnorm_forward(
                 s.stream[l],
                 p.input_layernorm[l],
                 s.input_layernorm_out[l],
                 s.input_layernorm_rstd[l],
+                eps=1e-05,
+                unit_offset=False,
             )
-            k.self_attn_qkv_forward(
-                s.input_layernorm_out[l], p.self_attn_qkv[l], s.self_attn_qkv_rows[l]
-            )
+            k.linear_forward(s.input_layernorm_out[l], p.self_attn_qkv[l], s.self_attn_qkv_rows[l])
             cos, sin = self.rope_table(SELF_ATTN_ROPE_TABLE[l])
-            k.rope_table0_forward(s.self_attn_qk[l], cos, sin, 0)
+            k.rope_forward(s.self_attn_qk[l], cos, sin, 0)
             k.self_attn_core_forward(
                 s.self_attn_q[l],
                 s.self_attn_k[l],
@@ -273,22 +231,20 @@ class Model(base.DecoderModel):
                 s.self_attn_heads_out[l],
                 SELF_ATTN_WINDOW[l],
             )
-            k.self_attn_o_forward(
-                s.self_attn_heads_out_rows[l], p.self_attn_o[l], s.self_attn_o_out
-            )
-            k.post_attention_layernorm_forward_residual(
+            k.linear_forward(s.self_attn_heads_out_rows[l], p.self_attn_o[l], s.self_attn_o_out)
+            k.rmsnorm_forward_residual(
                 s.stream[l],
                 s.self_attn_o_out,
                 s.residual0_out[l],
                 p.post_attention_layernorm[l],
                 s.post_attention_layernorm_out[l],
                 s.post_attention_layernorm_rstd[l],
+                eps=1e-05,
+                unit_offset=False,
             )
-            k.mlp_gate_up_forward(
-                s.post_attention_layernorm_out[l], p.mlp_gate_up[l], s.mlp_gate_up_out[l]
-            )
-            k.mlp_glu_forward(s.mlp_gate_up_out[l], s.mlp_hidden[l])
-            k.mlp_down_forward(s.mlp_hidden[l], p.mlp_down[l], s.mlp_down_out)
+            k.linear_forward(s.post_attention_layernorm_out[l], p.mlp_gate_up[l], s.mlp_gate_up_out[l])
+            k.swiglu_forward(s.mlp_gate_up_out[l], s.mlp_hidden[l])
+            k.linear_forward(s.mlp_hidden[l], p.mlp_down[l], s.mlp_down_out)
             k.residual_add(s.residual0_out[l], s.mlp_down_out, s.stream[l + 1])
 
     def run_loss_and_backward(self, s, g, ready):
@@ -298,27 +254,26 @@ class Model(base.DecoderModel):
         # loss (loss)
         loss = k.loss_forward_backward(s.logits, s.targets, s.logits)
         # lm_head (linear); Lean: linear_input_adjoint, linear_weight_adjoint_input, linear_weight_adjoint_weight
-        k.lm_head_backward(s.final_norm_out, p.embed, s.logits, g.final_norm_out, gr.embed)
+        k.linear_backward(s.final_norm_out, p.embed, s.logits, g.final_norm_out, gr.embed)
         # final_norm (rmsnorm); Lean: hadamard_adjoint
-        k.final_norm_backward(
+        k.rmsnorm_backward(
             s.stream[-1],
             p.final_norm,
             s.final_norm_rstd,
             g.final_norm_out,
             g.stream_last,
             gr.final_norm,
+            unit_offset=False,
         )
         ready(0)
         for l in reversed(range(N_LAYERS)):
             # residual1 (residual); Lean: residual_adjoint
             # mlp_down (linear); Lean: linear_input_adjoint, linear_weight_adjoint_input, linear_weight_adjoint_weight
-            k.mlp_down_backward(
-                s.mlp_hidden[l], p.mlp_down[l], g.mlp_down_out, g.mlp_hidden, gr.mlp_down[l]
-            )
+            k.linear_backward(s.mlp_hidden[l], p.mlp_down[l], g.mlp_down_out, g.mlp_hidden, gr.mlp_down[l])
             # mlp_glu (swiglu); Lean: hadamard_adjoint
-            k.mlp_glu_backward(s.mlp_gate_up_out[l], g.mlp_hidden, g.mlp_gate_up_out)
+            k.swiglu_backward(s.mlp_gate_up_out[l], g.mlp_hidden, g.mlp_gate_up_out)
             # mlp_gate_up (linear); Lean: linear_input_adjoint, linear_weight_adjoint_input, linear_weight_adjoint_weight
-            k.mlp_gate_up_backward(
+            k.linear_backward(
                 s.post_attention_layernorm_out[l],
                 p.mlp_gate_up[l],
                 g.mlp_gate_up_out,
@@ -326,17 +281,18 @@ class Model(base.DecoderModel):
                 gr.mlp_gate_up[l],
             )
             # post_attention_layernorm (rmsnorm); Lean: hadamard_adjoint
-            k.post_attention_layernorm_backward_add(
+            k.rmsnorm_backward_add(
                 s.residual0_out[l],
                 p.post_attention_layernorm[l],
                 s.post_attention_layernorm_rstd[l],
                 g.post_attention_layernorm_out,
                 g.residual0_out,
                 gr.post_attention_layernorm[l],
+                unit_offset=False,
             )
             # residual0 (residual); Lean: residual_adjoint
             # self_attn_o (linear); Lean: linear_input_adjoint, linear_weight_adjoint_input, linear_weight_adjoint_weight
-            k.self_attn_o_backward(
+            k.linear_backward(
                 s.self_attn_heads_out_rows[l],
                 p.self_attn_o[l],
                 g.self_attn_o_out,
@@ -357,9 +313,9 @@ class Model(base.DecoderModel):
             )
             # rope_table0 (rope); Lean: rotation_adjoint
             cos, sin = self.rope_table(SELF_ATTN_ROPE_TABLE[l])
-            k.rope_table0_backward(g.self_attn_qk, cos, sin)
+            k.rope_backward(g.self_attn_qk, cos, sin)
             # self_attn_qkv (linear); Lean: linear_input_adjoint, linear_weight_adjoint_input, linear_weight_adjoint_weight
-            k.self_attn_qkv_backward(
+            k.linear_backward(
                 s.input_layernorm_out[l],
                 p.self_attn_qkv[l],
                 g.self_attn_qkv_rows,
@@ -367,51 +323,57 @@ class Model(base.DecoderModel):
                 gr.self_attn_qkv[l],
             )
             # input_layernorm (rmsnorm); Lean: hadamard_adjoint
-            k.input_layernorm_backward_add(
+            k.rmsnorm_backward_add(
                 s.stream[l],
                 p.input_layernorm[l],
                 s.input_layernorm_rstd[l],
                 g.input_layernorm_out,
                 g.block_in,
                 gr.input_layernorm[l],
+                unit_offset=False,
             )
             ready(1 + N_LAYERS - 1 - l)
         # embed (embedding); Lean: embedding_adjoint
-        k.embed_backward(s.ids, g.stream_first, gr.embed)
+        k.embedding_backward(s.ids, g.stream_first, gr.embed, scale=1.0)
         ready(1 + N_LAYERS)
         return loss
 
     def run_decode(self, c, position):
         """The forward ops on one position per sequence (`c.ids`), attending over the cache."""
         k, p = self.device.kernels, self.params
-        k.embed_forward(c.ids, p.embed, c.stream_in)
+        k.embedding_forward(c.ids, p.embed, c.stream_in, scale=1.0)
         for l in range(N_LAYERS):
-            k.input_layernorm_forward(
-                c.stream_in, p.input_layernorm[l], c.input_layernorm_out, c.input_layernorm_rstd
+            k.rmsnorm_forward(
+                c.stream_in,
+                p.input_layernorm[l],
+                c.input_layernorm_out,
+                c.input_layernorm_rstd,
+                eps=1e-05,
+                unit_offset=False,
             )
-            k.self_attn_qkv_forward(c.input_layernorm_out, p.self_attn_qkv[l], c.self_attn_qkv_rows)
+            k.linear_forward(c.input_layernorm_out, p.self_attn_qkv[l], c.self_attn_qkv_rows)
             cos, sin = self.rope_table(SELF_ATTN_ROPE_TABLE[l])
-            k.rope_table0_forward(c.self_attn_qk, cos, sin, position)
+            k.rope_forward(c.self_attn_qk, cos, sin, position)
             kc, vc, n_valid = c.append(0, l, position, c.self_attn_k, c.self_attn_v)
             k.self_attn_core_decode(c.self_attn_q, kc, vc, n_valid, c.self_attn_heads_out)
-            k.self_attn_o_forward(c.self_attn_heads_out_rows, p.self_attn_o[l], c.self_attn_o_out)
-            k.post_attention_layernorm_forward_residual(
+            k.linear_forward(c.self_attn_heads_out_rows, p.self_attn_o[l], c.self_attn_o_out)
+            k.rmsnorm_forward_residual(
                 c.stream_in,
                 c.self_attn_o_out,
                 c.residual0_out,
                 p.post_attention_layernorm[l],
                 c.post_attention_layernorm_out,
                 c.post_attention_layernorm_rstd,
+                eps=1e-05,
+                unit_offset=False,
             )
-            k.mlp_gate_up_forward(
-                c.post_attention_layernorm_out, p.mlp_gate_up[l], c.mlp_gate_up_out
-            )
-            k.mlp_glu_forward(c.mlp_gate_up_out, c.mlp_hidden)
-            k.mlp_down_forward(c.mlp_hidden, p.mlp_down[l], c.mlp_down_out)
+            k.linear_forward(c.post_attention_layernorm_out, p.mlp_gate_up[l], c.mlp_gate_up_out)
+            k.swiglu_forward(c.mlp_gate_up_out, c.mlp_hidden)
+            k.linear_forward(c.mlp_hidden, p.mlp_down[l], c.mlp_down_out)
             k.residual_add(c.residual0_out, c.mlp_down_out, c.stream_out)
             c.stream_in, c.stream_out = c.stream_out, c.stream_in
-        k.final_norm_forward(c.stream_in, p.final_norm, c.final_norm_out, c.final_norm_rstd)
-        k.lm_head_forward(c.final_norm_out, p.embed, c.logits)
+        k.rmsnorm_forward(c.stream_in, p.final_norm, c.final_norm_out, c.final_norm_rstd, eps=1e-05, unit_offset=False)
+        k.linear_forward(c.final_norm_out, p.embed, c.logits)
 
     def run_prompt(self, s, c, T):
         """The forward ops over a prompt of T positions per sequence in `s`, the tail's on each
@@ -422,8 +384,8 @@ class Model(base.DecoderModel):
         k, p = self.device.kernels, self.params
         for b in range(c.stream_in.shape[0]):  # contiguous copies, which device arrays take too
             c.stream_in[b : b + 1] = s.stream[-1][(b + 1) * T - 1 : (b + 1) * T]
-        k.final_norm_forward(c.stream_in, p.final_norm, c.final_norm_out, c.final_norm_rstd)
-        k.lm_head_forward(c.final_norm_out, p.embed, c.logits)
+        k.rmsnorm_forward(c.stream_in, p.final_norm, c.final_norm_out, c.final_norm_rstd, eps=1e-05, unit_offset=False)
+        k.linear_forward(c.final_norm_out, p.embed, c.logits)
 
     def fill_cache(self, s, c, T):
         """Cache the keys and values the forward pass over a prompt of T tokens computed."""

@@ -16,16 +16,6 @@ import numpy as np
 SPEC_NAME = "mlp_digits"
 INPUT_DIM = 64
 OUTPUT_DIM = 10
-LAWS = (
-    "bias_adjoint",
-    "chain_adjoint",
-    "chain_transposed_forward",
-    "compose_adjoint",
-    "hadamard_adjoint",
-    "linear_input_adjoint",
-    "linear_weight_adjoint_input",
-    "linear_weight_adjoint_weight",
-)
 # (start, stop) of grads.flat in the order the backward pass makes them final
 GRAD_BUCKETS = [(16576, 17226), (8320, 16576), (0, 8320)]
 
@@ -69,8 +59,8 @@ def named_tensors(params):
 
 
 class Activations:
-    """What the forward pass writes, allocated once per (B, T); storages the backward reads are
-    kept per layer."""
+    """What the forward pass writes, allocated once per (B, T); what the backward reads is kept per
+    layer (a leading N_LAYERS axis)."""
 
     def __init__(self, device, B, T):
         N = B * T
@@ -132,11 +122,11 @@ class Model(base.SequentialModel):
     def run_layers(self, s):
         """The forward ops before the tail's."""
         k, p = self.device.kernels, self.params
-        k.fc1_forward(s.inputs, p.fc1, p.fc1_bias, s.fc1_out)
-        k.act1_forward(s.fc1_out, s.act1_out)
-        k.fc2_forward(s.act1_out, p.fc2, p.fc2_bias, s.fc2_out)
-        k.act2_forward(s.fc2_out, s.act2_out)
-        k.fc3_forward(s.act2_out, p.fc3, p.fc3_bias, s.fc3_out)
+        k.linear_bias_forward(s.inputs, p.fc1, p.fc1_bias, s.fc1_out)
+        k.relu_forward(s.fc1_out, s.act1_out)
+        k.linear_bias_forward(s.act1_out, p.fc2, p.fc2_bias, s.fc2_out)
+        k.gelu_forward(s.fc2_out, s.act2_out)
+        k.linear_bias_forward(s.act2_out, p.fc3, p.fc3_bias, s.fc3_out)
 
     def run_loss_and_backward(self, s, g, ready):
         """The loss and d loss / d logits, then the forward ops' adjoints in reverse order;
@@ -145,16 +135,16 @@ class Model(base.SequentialModel):
         # loss (loss)
         loss = k.loss_forward_backward(s.fc3_out, s.targets, s.fc3_out)
         # fc3 (linear); Lean: bias_adjoint, linear_input_adjoint, linear_weight_adjoint_input, linear_weight_adjoint_weight
-        k.fc3_backward(s.act2_out, p.fc3, s.fc3_out, g.act2_out, gr.fc3, gr.fc3_bias)
+        k.linear_bias_backward(s.act2_out, p.fc3, s.fc3_out, g.act2_out, gr.fc3, gr.fc3_bias)
         ready(0)
         # act2 (gelu); Lean: hadamard_adjoint
-        k.act2_backward(s.fc2_out, g.act2_out, g.fc2_out)
+        k.gelu_backward(s.fc2_out, g.act2_out, g.fc2_out)
         # fc2 (linear); Lean: bias_adjoint, linear_input_adjoint, linear_weight_adjoint_input, linear_weight_adjoint_weight
-        k.fc2_backward(s.act1_out, p.fc2, g.fc2_out, g.act1_out, gr.fc2, gr.fc2_bias)
+        k.linear_bias_backward(s.act1_out, p.fc2, g.fc2_out, g.act1_out, gr.fc2, gr.fc2_bias)
         ready(1)
         # act1 (relu); Lean: hadamard_adjoint
-        k.act1_backward(s.fc1_out, g.act1_out, g.fc1_out)
+        k.relu_backward(s.fc1_out, g.act1_out, g.fc1_out)
         # fc1 (linear); Lean: bias_adjoint, linear_input_adjoint, linear_weight_adjoint_input, linear_weight_adjoint_weight
-        k.fc1_backward(s.inputs, p.fc1, g.fc1_out, g.inputs, gr.fc1, gr.fc1_bias)
+        k.linear_bias_backward(s.inputs, p.fc1, g.fc1_out, g.inputs, gr.fc1, gr.fc1_bias)
         ready(2)
         return loss

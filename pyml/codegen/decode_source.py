@@ -25,6 +25,10 @@ from pyml.codegen.render import ENVIRONMENT
 from pyml.codegen.schedule import forward_statements, graph_param, render
 
 
+POOL = Call("use_pool_threads", (Code("threads"),))
+ONE_THREAD = Call("use_pool_threads", (Code("1"),))
+
+
 @dataclass(frozen=True)
 class Argument:
     name: str  # the parameter of decode_step
@@ -104,8 +108,7 @@ class FusedStep:
         """`call`, on the CPU on the pool's threads: the step runs on one thread but for the
         matrix-vector products and attention (the template says why)."""
         if self.target == "cpu":
-            return [Call("use_pool_threads", (Code("threads"),)), call,
-                    Call("use_pool_threads", (Code("1"),))]
+            return [POOL, call, ONE_THREAD]
         return [call]
 
     def linear_row(self, op: Op) -> list[Statement]:
@@ -121,12 +124,17 @@ class FusedStep:
             statements.append(Call("add_bias", (Act(op.outputs[0]), Weight(bias))))
         return statements
 
-    def kernel_context(self, prefix: str) -> dict:
-        return next(context for _, context in self.graph.kernel_blocks if context.get("p") == prefix)
-
     def lines(self, ops: list[Op]) -> list[str]:
-        """The statements of `ops` (one of head, block, tail), as the model's decoding pass."""
-        return render(forward_statements(ops, self), self.spell)
+        """The statements of `ops` (one of head, block, tail), as the model's decoding pass; two
+        parallel ops in a row stay on the pool's threads."""
+        statements = forward_statements(ops, self)
+        kept = []
+        for statement in statements:
+            if kept and statement == POOL and kept[-1] == ONE_THREAD:
+                kept.pop()
+            else:
+                kept.append(statement)
+        return render(kept, self.spell)
 
 
 def decode_context(graph: Graph, target: str) -> dict:

@@ -33,7 +33,7 @@ DECODE_SHARED_MODULES = ("pyml/package/decode_cpu.py", "pyml/package/quantized_d
 def ruff_format(source: str, name: str) -> str:
     """Format with the pinned ruff, so generated files read like hand-written ones."""
     result = subprocess.run(
-        [sys.executable, "-m", "ruff", "format", "--line-length", "100", "--stdin-filename", name, "-"],
+        [sys.executable, "-m", "ruff", "format", "--line-length", "120", "--stdin-filename", name, "-"],
         input=source, capture_output=True, text=True, check=False,
     )
     if result.returncode != 0:

@@ -131,11 +131,15 @@ class Graph:
     skeleton: Skeleton
     input: str  # the value the batch is loaded into (ids or features)
     logits: str
-    rope_tables: list[tuple[str, int]] = field(default_factory=list)  # (kernel prefix, half head_dim)
+    rope_tables: list[tuple[float, int]] = field(default_factory=list)  # (RoPE base, half head_dim)
     attention_caches: list[dict] = field(default_factory=list)  # per attention op: cache layout
 
     def ops(self) -> list[Op]:
         return [*self.head, *self.block, *self.tail]
+
+    def kernel_context(self, prefix: str) -> dict:
+        """The dims and constants of the kernels of the op named `prefix`."""
+        return next(context for _, context in self.kernel_blocks if context.get("p") == prefix)
 
     def param_count(self, trainable: bool | None = None) -> int:
         """Parameters in all, or only the trainable (or only the frozen) ones."""

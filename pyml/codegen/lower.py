@@ -348,8 +348,7 @@ def rename_output(ops: list[Op], old: str, new: str) -> None:
 
 def finish(lowering: Lowering, form: str, head, block, tail, n_layers, constants,
            skeleton: Skeleton, input_value, logits) -> Graph:
-    theta_blocks = [(f"rope_table{index}", head_dim // 2)
-                    for index, (_, head_dim) in enumerate(lowering.rope_thetas)]
+    theta_blocks = [(theta, head_dim // 2) for theta, head_dim in lowering.rope_thetas]
     return Graph(
         form=form, storages=lowering.storages, values=lowering.values, params=lowering.params,
         head=head, block=block, tail=tail, n_layers=n_layers,

@@ -30,17 +30,16 @@ def template_hashes() -> dict[str, str]:
             for path in render.template_files()}
 
 
-# The hand-written modules generated packages import: a change to one changes what a generated
-# package computes without changing its files, so their hashes are part of the manifest.
-SHARED_MODULES = ("pyml/package/base.py", "pyml/package/kernels_cpu.py",
-                  "pyml/package/kernels_cuda.py", "pyml/package/vector_math.py",
-                  "pyml/package/quantized_dot.py", "pyml/package/decode_cpu.py",
-                  "pyml/package/quantized_cuda.py", "pyml/package/decode_cuda.py")
-PYML_ROOT = Path(__file__).resolve().parents[2]
+PYML_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the pyml package
 
 
 def shared_hashes() -> dict[str, str]:
-    return {path: sha256((PYML_ROOT / path).read_bytes()) for path in SHARED_MODULES}
+    """The hand-written modules generated packages import (everything under pyml/package): a
+    change to one changes what a generated package computes without changing its files, so their
+    hashes are part of the manifest."""
+    package = PYML_ROOT / "pyml" / "package"
+    return {path.relative_to(PYML_ROOT).as_posix(): sha256(path.read_bytes())
+            for path in sorted(package.rglob("*.py"))}
 
 
 def generator_hash() -> str:

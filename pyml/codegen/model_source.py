@@ -10,10 +10,30 @@ import math
 
 from pyml.codegen.calls import Act, Grad, Scratch, WeightGrad
 from pyml.codegen.ir import Graph, Param, Value
-from pyml.codegen.lower import relied_on_laws
 from pyml.codegen.render import ENVIRONMENT
 from pyml.codegen.schedule import Layout, Statements, Writer, graph_param
 from pyml.spec.models import DecoderModel
+
+
+class Name(str):
+    """A constant's value written as the name of another constant."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def constant_text(value) -> str:
+    """`value` as Python text; a per-layer table that repeats one pattern as the pattern times its
+    count, `(0,) * 30` rather than thirty lines of zeros."""
+    if isinstance(value, tuple) and len(value) > 1 and all(isinstance(v, (int, float)) for v in value):
+        for period in range(1, len(value) // 2 + 1):
+            if len(value) % period == 0 and value == value[:period] * (len(value) // period):
+                return f"{value[:period]!r} * {len(value) // period}"
+    if isinstance(value, list):
+        return "[" + ", ".join(constant_text(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{key!r}: {constant_text(item)}" for key, item in value.items()) + "}"
+    return repr(value)
 
 
 def shape_text(shape: tuple, lead: tuple = ()) -> str:
@@ -81,10 +101,10 @@ class ParameterLayout:
         parts += [one(p) for p in self.after]
         return " ".join(parts)
 
-    def buckets(self, graph: Graph) -> list[tuple[int, int]]:
-        """Gradient buckets in the order the backward finishes them (`schedule.ready_calls`):
-        for a decoder, the tail's parameters, each layer from the last, then the head's; for a
-        sequential model, each op's parameters from the last op."""
+    def buckets(self, graph: Graph) -> str:
+        """Gradient buckets in the order the backward finishes them (`schedule.ready_calls`), as a
+        Python expression: for a decoder, the tail's parameters, each layer from the last, then
+        the head's; for a sequential model, each op's parameters from the last op."""
         if graph.form == "sequential":
             sizes = {p.attr: math.prod(p.shape) for p in self.before}
             buckets = []
@@ -93,15 +113,15 @@ class ParameterLayout:
                 if attrs:
                     buckets.append((min(self.start[a] for a in attrs),
                                     max(self.start[a] + sizes[a] for a in attrs)))
-            return buckets
-        buckets = [(self.after_start, self.size)] if self.after else []
+            return repr(buckets)
+        parts = [f"[({self.after_start}, {self.size})]"] if self.after else []
         if self.block:
-            buckets += [(self.layer_start + l * self.layer_stride,
-                         self.layer_start + (l + 1) * self.layer_stride)
-                        for l in reversed(range(self.n_layers))]
+            start, stride = self.layer_start, self.layer_stride
+            parts.append(f"[({start} + l * {stride}, {start} + (l + 1) * {stride}) "
+                         "for l in reversed(range(N_LAYERS))]")
         if self.before:
-            buckets.append((0, self.layer_start))
-        return buckets
+            parts.append(f"[(0, {self.layer_start})]")
+        return " + ".join(parts) or "[]"
 
 
 def tensor_lines(layout: ParameterLayout) -> list[str]:
@@ -142,13 +162,12 @@ def activation_lines(graph: Graph, layout: Layout) -> list[str]:
     for storage in graph.storages.values():
         dtype = ", np.int64" if storage.dtype == "int64" else ""
         if storage.scope == "stream":
-            lines.append(f"self.stream = zeros({shape_text(storage.shape, ('N_LAYERS + 1',))})"
-                         "  # the residual stream at each block's input, and the last output")
+            lines.append("# the residual stream at each block's input, and the last output")
+            lines.append(f"self.stream = zeros({shape_text(storage.shape, ('N_LAYERS + 1',))})")
             continue
         per_layer = storage.scope == "block" and storage.name in layout.saved
         lead = ("N_LAYERS",) if per_layer else ()
-        note = "  # saved per layer for the backward" if per_layer else ""
-        lines.append(f"self.{storage.name} = zeros({shape_text(storage.shape, lead)}{dtype}){note}")
+        lines.append(f"self.{storage.name} = zeros({shape_text(storage.shape, lead)}{dtype})")
     for value in graph.values.values():
         storage = graph.storages[value.storage]
         if value.view and storage.scope != "stream":
@@ -229,10 +248,10 @@ def model_context(spec, spec_path: str, graph: Graph, layout: Layout, statements
             attention = attentions[0]
             constants |= {"N_HEADS": attention.n_heads, "N_KV_HEADS": attention.n_kv_heads,
                           "HEAD_DIM": attention.head_dim, "HIDDEN": mlps[0].layer.hidden}
-        # (kernel prefix, half the head_dim) of each RoPE table
+        # (RoPE base, half the head_dim) of each RoPE table
         constants["ROPE_TABLES"] = tuple(graph.rope_tables)
         constants["ATTENTIONS"] = [
-            {"windows": graph.constants[cache["window"]], "n_kv_heads": cache["n_kv_heads"],
+            {"windows": Name(cache["window"]), "n_kv_heads": cache["n_kv_heads"],
              "head_dim": cache["head_dim"]} for cache in graph.attention_caches]
     writer = Writer(graph, layout.saved)
     fill = [f"c.fill({index}, l, {writer.activation(cache['k'])}, {writer.activation(cache['v'])}, T)"
@@ -243,8 +262,8 @@ def model_context(spec, spec_path: str, graph: Graph, layout: Layout, statements
     return {
         "spec_name": spec.name, "spec_path": spec_path, "form": graph.form,
         "description": "a decoder" if decoder else "a sequential stack",
-        "constants": [(name, repr(value)) for name, value in constants.items()],
-        "laws": relied_on_laws(graph), "buckets": repr(buckets),
+        "constants": [(name, constant_text(value)) for name, value in constants.items()],
+        "buckets": buckets,
         "per_layer": bool(params.block), "param_size": params.size, "layout": params.description(),
         "param_views": params.view_lines(), "tensor_lines": tensor_lines(params),
         "frozen_size": frozen.size, "frozen_views": frozen.view_lines(),

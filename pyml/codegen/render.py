@@ -1,6 +1,8 @@
 """Rendering kernel templates into Python source.
 
-A kind's kernel template (`kinds/<kind>_<target>.py.j2`, beside the kind's module) renders to a
+Most kinds' kernels are the same for every spec (pyml/package/cpu, cuda) and a kernel module only
+re-exports them (`SHARED_KERNELS`); a kind marked `template` (`pyml.codegen.kinds`) has its
+kernels rendered per op. A kind's kernel template (`kinds/<kind>_<target>.py.j2`, beside the kind's module) renders to a
 block of functions for one layer of that kind, specialised to its dims, all named with the prefix
 `p`. A kernel module is a fixed
 header (its imports) followed by the blocks of every (kind, dims) a spec needs. A layer with the
@@ -19,29 +21,26 @@ CODEGEN = Path(__file__).parent
 TEMPLATES = CODEGEN / "templates"  # the generated package's modules: model, decode steps
 KINDS = CODEGEN / "kinds"  # each kind's kernel templates, beside its module
 TARGETS = ("cpu", "cuda")
-# The spec-independent kernels (AdamW, the residual joins, the vectorizable math, CUDA's tiled
-# matrix product) are hand-written modules under pyml/package/ that every kernel module imports
-# and re-exports.
 HEADERS = {
-    "cpu": (
-        "import math\n\nimport numpy as np\nfrom numba import njit, prange\n\n"
-        "from pyml.package.kernels_cpu import (adamw_grad_norm, adamw_scale, adamw_step, add_into, "
-        "copy_into, linear_product, residual_add)\n"
-        "from pyml.package.vector_math import (F32_ONE, MAX_LANES, dot_float64, dots_4x4, exp_vectorizable, "
-        "gelu_tanh_vectorizable, gelu_tanh_with_derivative_vectorizable, max_value, "
-        "sigmoid_vectorizable, sum_float64, unit_offset_weighted_dot_float64, weighted_dot_float64)\n"
-    ),
-    "cuda": (
-        "import math\n\nimport numpy as np\nfrom numba import cuda\n\n"
-        "from pyml.package.kernels_cuda import (adamw_grad_norm, adamw_scale, adamw_step, add_into, "
-        "copy_into, matmul, residual_add, sigmoid)\n"
-    ),
+    "cpu": "import math\n\nimport numpy as np\nfrom numba import njit, prange\n\n",
+    "cuda": "import math\n\nimport numpy as np\nfrom numba import cuda\n\n",
 }
-# what the header imports, for `pyml check` and the modules' first line (see pyml.package.vector_math)
+# the modules a kernel module's digest covers (pyml check and the module's first line): the
+# shared kernels it re-exports, and what they import
+PACKAGE = Path(__file__).resolve().parents[1] / "package"
 SHARED_KERNEL_MODULES = {
-    "cpu": ("pyml/package/kernels_cpu.py", "pyml/package/vector_math.py"),
-    "cuda": ("pyml/package/kernels_cuda.py",),
+    target: tuple(sorted(f"pyml/package/{path.relative_to(PACKAGE).as_posix()}"
+                         for path in [*(PACKAGE / target).glob("*.py"), PACKAGE / f"kernels_{target}.py",
+                                      PACKAGE / "vector_math.py"]))
+    for target in ("cpu", "cuda")
 }
+
+
+def header(target: str) -> str:
+    """Every shared kernel of the target (pyml/package/<target>/__init__.py lists them), so that a
+    generated model calls each kernel as `k.name`."""
+    return HEADERS[target] + f"from pyml.package.{target} import *  # noqa: F403\n"
+
 
 ENVIRONMENT = jinja2.Environment(
     loader=jinja2.FileSystemLoader([TEMPLATES, KINDS]),
@@ -83,11 +82,14 @@ def shared_block(target: str, kind: str, context: dict, first_prefix: str) -> st
 
 
 def render_kernel_module(target: str, blocks: list[tuple[str, dict]]) -> str:
-    """Source of one kernel module: the header, then one rendered block per (kind, context), or
-    bindings to an earlier block of the same kind and dims."""
-    header = HEADERS[target]
-    parts, first_prefixes = [header], {}
+    """Source of one kernel module: the header, then one rendered block per (kind, context) of a
+    kind rendered per op, or bindings to an earlier block of the same kind and dims."""
+    from pyml.codegen.kinds import KINDS
+
+    parts, first_prefixes = [header(target)], {}
     for kind, context in blocks:
+        if not KINDS[kind].template:
+            continue
         dims = (kind, tuple(sorted((key, value) for key, value in context.items() if key != "p")))
         if "p" in context and dims in first_prefixes:
             parts.append(shared_block(target, kind, context, first_prefixes[dims]))

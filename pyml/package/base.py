@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from pyml.errors import PymlError
+from pyml.package.cpu.rope import rope_tables
 from pyml.runtime.safetensors_io import read_safetensors, write_safetensors
 
 IGNORED_TARGET = -100  # a target the loss skips, as torch's cross_entropy does
@@ -224,16 +225,15 @@ class Model:
 
 class DecoderModel(Model):
     """A decoder over token ids (B, T): training, logits, and decoding with a KV cache.
-    Subclasses also set `ROPE_TABLES`: (kernel prefix whose `_tables` fills the cos and sin of
-    one RoPE base, half the head_dim it rotates) per table."""
+    Subclasses also set `ROPE_TABLES`: (the RoPE base, half the head_dim it rotates) per table."""
 
     def __init__(self, dtype=np.float32, device="cpu"):
         super().__init__(dtype, device)
         self.rope = []  # (cos, sin) per table, (MAX_SEQ_LEN, half) on the device
-        for prefix, half in self.ROPE_TABLES:
+        for theta, half in self.ROPE_TABLES:
             cos = np.zeros((self.MAX_SEQ_LEN, half), self.device.dtype)
             sin = np.zeros((self.MAX_SEQ_LEN, half), self.device.dtype)
-            getattr(self.kernels_cpu(), f"{prefix}_tables")(cos, sin)
+            rope_tables(cos, sin, theta)
             tables = self.device.zeros(cos.shape), self.device.zeros(sin.shape)
             self.device.to_device(cos, tables[0])
             self.device.to_device(sin, tables[1])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from pyml.codegen.calls import Act, Arg, Call, Grad, Statement, Weight, WeightGrad, kernel
+from pyml.codegen.calls import Act, Arg, Call, Code, Grad, Statement, Weight, WeightGrad, kernel
 from pyml.codegen.ir import Graph, Op
 
 
@@ -27,7 +27,6 @@ class ForwardEnv(Protocol):
     def attention_index(self, op: Op) -> int: ...
     def in_parallel(self, call: Call) -> list[Statement]: ...
     def linear_row(self, op: Op) -> list[Statement]: ...
-    def kernel_context(self, prefix: str) -> dict: ...
 
 
 class BackwardEnv(Protocol):
@@ -54,6 +53,22 @@ class Kind:
     laws: tuple[str, ...] = ()
     backward_reads: tuple[str, ...] = ()
     adds_input_gradient = False
+    # its kernels are rendered for each op from kinds/<name>_<target>.py.j2, specialised to the
+    # op's dims, rather than shared (pyml/package/cpu, cuda) with the dims read from the arrays
+    template = False
+
+    def kernels(self, context: dict) -> dict[str, tuple[str, dict]]:
+        """{suffix: (the shared kernel, the constant arguments it takes)} for an op whose kernel
+        context (dims and constants, `Graph.kernel_context`) is `context`."""
+        return {}
+
+    def call(self, op: Op, env, suffix: str, *args: Arg) -> Call:
+        """The op's kernel `suffix` ("forward", "backward", ...) on `args`: its own rendered
+        kernel `{prefix}_{suffix}`, or the shared one with the op's constants as keywords."""
+        if self.template:
+            return kernel(op.prefix, suffix, *args)
+        name, constants = self.kernels(env.graph.kernel_context(op.prefix))[suffix]
+        return Call(f"k.{name}", (*args, *(Code(f"{key}={value!r}") for key, value in constants.items())))
 
     def reads(self, op: Op) -> tuple[str, ...]:
         """What this op's adjoint reads (`backward_reads`, unless the op needs less)."""
@@ -89,9 +104,12 @@ class ElementWise(Kind):
     laws = ("hadamard_adjoint",)
     backward_reads = ("inputs",)
 
+    def kernels(self, context: dict) -> dict[str, tuple[str, dict]]:
+        return {"forward": (f"{self.name}_forward", {}), "backward": (f"{self.name}_backward", {})}
+
     def forward(self, op: Op, env: ForwardEnv) -> list[Statement]:
-        return [kernel(op.prefix, "forward", *inputs(op), *outputs(op))]
+        return [self.call(op, env, "forward", *inputs(op), *outputs(op))]
 
     def adjoint(self, op: Op, env: BackwardEnv) -> list[Statement]:
         dx, after, suffix = env.input_gradient(op, 0, self.adds_input_gradient)
-        return [kernel(op.prefix, suffix, Act(op.inputs[0]), Grad(op.outputs[0]), dx), *after]
+        return [self.call(op, env, suffix, Act(op.inputs[0]), Grad(op.outputs[0]), dx), *after]

@@ -3,7 +3,7 @@ scatter-adds the output gradient into the table's gradient (Lean law embedding_a
 
 from __future__ import annotations
 
-from pyml.codegen.calls import Act, Call, Grad, Statement, StepInput, Weight, WeightGrad, kernel
+from pyml.codegen.calls import Act, Call, Grad, Statement, StepInput, Weight, WeightGrad
 from pyml.codegen.ir import Op
 from pyml.codegen.kinds.base import BackwardEnv, ForwardEnv, Kind, inputs, outputs, params
 
@@ -13,14 +13,21 @@ class Embedding(Kind):
     laws = ("embedding_adjoint",)
     backward_reads = ("inputs",)
 
+    def kernels(self, context: dict) -> dict[str, tuple[str, dict]]:
+        scale = {"scale": context["scale"]}
+        return {"forward": ("embedding_forward", scale), "backward": ("embedding_backward", scale)}
+
     def forward(self, op: Op, env: ForwardEnv) -> list[Statement]:
         ids, table, y = Act(op.inputs[0]), Weight(op.params["weight"]), Act(op.outputs[0])
-        if env.mode == "step" and env.target == "cpu" and env.kernel_context(op.prefix)["scale"] != 1.0:
-            # the CPU's `_forward` is Python: it rounds the scale to the table's dtype first
-            scale = StepInput(f"{op.prefix}_scale",
-                              f"p.{op.params['weight']}.dtype.type(k.{op.prefix.upper()}_SCALE)")
-            return [kernel(op.prefix, "forward_kernel", ids, table, y, scale)]
-        return [kernel(op.prefix, "forward", *inputs(op), *params(op), *outputs(op))]
+        if env.mode == "step" and env.target == "cpu":
+            # the CPU step is Numba: it calls the Numba kernel, whose scale (`embedding_forward`,
+            # in Python, rounds it to the table's dtype first) the step is given rounded
+            scale = env.graph.kernel_context(op.prefix)["scale"]
+            if scale == 1.0:
+                return [Call("k.embedding_forward_unscaled", (ids, table, y))]
+            rounded = StepInput(f"{op.prefix}_scale", f"p.{op.params['weight']}.dtype.type({scale!r})")
+            return [Call("k.embedding_forward_kernel", (ids, table, y, rounded))]
+        return [self.call(op, env, "forward", *inputs(op), *params(op), *outputs(op))]
 
     def adjoint(self, op: Op, env: BackwardEnv) -> list[Statement]:
         attr = op.params["weight"]
@@ -29,7 +36,7 @@ class Embedding(Kind):
         first = env.param_mode(attr) == "write"
         grad = WeightGrad(attr)
         return ([Call("dev.zero", (grad,))] if first else []) + [
-            kernel(op.prefix, "backward", Act(op.inputs[0]), Grad(op.outputs[0]), grad)]
+            self.call(op, env, "backward", Act(op.inputs[0]), Grad(op.outputs[0]), grad)]
 
 
 KIND = Embedding()

@@ -13,6 +13,7 @@ class FrozenLinear(Kind):
     name = "frozen_linear"
     laws = ("linear_input_adjoint", "linear_weight_adjoint_input")
     backward_reads = ("inputs", "aux")
+    template = True  # one argument per adapter, each with its own rows
 
     def reads(self, op: Op) -> tuple[str, ...]:
         # the adjoint reads its input and the adapters' hidden rows only for the adapters' gradients

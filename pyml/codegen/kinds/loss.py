@@ -11,14 +11,17 @@ from pyml.codegen.kinds.base import BackwardEnv, ForwardEnv, Kind
 class Loss(Kind):
     name = "loss"
 
+    def kernels(self, context: dict) -> dict[str, tuple[str, dict]]:
+        return {"forward_backward": ("loss_forward_backward", {}), "forward": ("loss_forward", {})}
+
     def forward(self, op: Op, env: ForwardEnv) -> list[Statement]:
         return []  # the loss is computed with its gradient, in the backward pass
 
     def adjoint(self, op: Op, env: BackwardEnv) -> list[Statement]:
         env.mode(op.inputs[0])  # the logits' gradient is written here
         logits = op.inputs[0]
-        return [Call("k.loss_forward_backward", (Act(logits), Code("s.targets"), Grad(logits)),
-                     ("loss",))]
+        call = self.call(op, env, "forward_backward", Act(logits), Code("s.targets"), Grad(logits))
+        return [Call(call.fn, call.args, ("loss",))]
 
 
 KIND = Loss()

@@ -8,7 +8,7 @@ forward passes only; the backward runs the two ops' adjoints."""
 
 from __future__ import annotations
 
-from pyml.codegen.calls import Act, Grad, Statement, Weight, kernel
+from pyml.codegen.calls import Act, Grad, Statement, Weight
 from pyml.codegen.ir import Op
 from pyml.codegen.kinds.base import BackwardEnv, ForwardEnv, Kind, aux, inputs, outputs, params
 
@@ -20,13 +20,20 @@ class RMSNorm(Kind):
     # its input usually carries on along the residual stream too, whose gradient it adds to
     adds_input_gradient = True
 
+    def kernels(self, context: dict) -> dict[str, tuple[str, dict]]:
+        offset = {"unit_offset": context["unit_offset"]}
+        forward = {"eps": context["eps"], **offset}
+        return {"forward": ("rmsnorm_forward", forward),
+                "forward_residual": ("rmsnorm_forward_residual", forward),
+                "backward": ("rmsnorm_backward", offset), "backward_add": ("rmsnorm_backward_add", offset)}
+
     def forward(self, op: Op, env: ForwardEnv) -> list[Statement]:
-        return [kernel(op.prefix, "forward", *inputs(op), *params(op), *outputs(op), *aux(op))]
+        return [self.call(op, env, "forward", *inputs(op), *params(op), *outputs(op), *aux(op))]
 
     def adjoint(self, op: Op, env: BackwardEnv) -> list[Statement]:
         dx, after, suffix = env.input_gradient(op, 0, self.adds_input_gradient)
-        return [kernel(op.prefix, suffix, Act(op.inputs[0]), Weight(op.params["weight"]), *aux(op),
-                       Grad(op.outputs[0]), dx, *env.param_grads(op)), *after]
+        return [self.call(op, env, suffix, Act(op.inputs[0]), Weight(op.params["weight"]), *aux(op),
+                          Grad(op.outputs[0]), dx, *env.param_grads(op)), *after]
 
 
 class ResidualRMSNorm(Kind):
@@ -35,8 +42,8 @@ class ResidualRMSNorm(Kind):
     name = "residual_rmsnorm"
 
     def forward(self, op: Op, env: ForwardEnv) -> list[Statement]:
-        return [kernel(op.prefix, "forward_residual", *inputs(op), Act(op.outputs[0]),
-                       *params(op), Act(op.outputs[1]), *aux(op))]
+        return [KIND.call(op, env, "forward_residual", *inputs(op), Act(op.outputs[0]),
+                          *params(op), Act(op.outputs[1]), *aux(op))]
 
 
 KIND = RMSNorm()

@@ -4,7 +4,7 @@ rotation_adjoint), applied to the gradient in place."""
 
 from __future__ import annotations
 
-from pyml.codegen.calls import Act, Call, Code, Grad, Statement, StepInput, kernel
+from pyml.codegen.calls import Act, Call, Code, Grad, Statement, StepInput
 from pyml.codegen.ir import Op
 from pyml.codegen.kinds.base import BackwardEnv, ForwardEnv, Kind
 
@@ -18,20 +18,25 @@ class Rope(Kind):
     name = "rope"
     laws = ("rotation_adjoint",)
 
+    def kernels(self, context: dict) -> dict[str, tuple[str, dict]]:
+        # the tables are the model's (`DecoderModel.rope`), filled once by rope_tables
+        return {"forward": ("rope_forward", {}), "backward": ("rope_backward", {}),
+                "tables": ("rope_tables", {"theta": context["theta"]})}
+
     def forward(self, op: Op, env: ForwardEnv) -> list[Statement]:
         x = Act(op.inputs[0])
         if env.mode == "step":  # the tables of every layer type, indexed by the layer's
             table = op.attrs["tables"]
             cos = StepInput(f"{table.lower()}_cos", f"tuple(model.rope[t][0] for t in {table})", "[l]")
             sin = StepInput(f"{table.lower()}_sin", f"tuple(model.rope[t][1] for t in {table})", "[l]")
-            return [kernel(op.prefix, "forward", x, cos, sin, Code("position"))]
+            return [self.call(op, env, "forward", x, cos, sin, Code("position"))]
         offset = Code("position" if env.mode == "decode" else "0")
-        return [table_lookup(op), kernel(op.prefix, "forward", x, Code("cos"), Code("sin"), offset)]
+        return [table_lookup(op), self.call(op, env, "forward", x, Code("cos"), Code("sin"), offset)]
 
     def adjoint(self, op: Op, env: BackwardEnv) -> list[Statement]:
         # in place: the rotated gradient replaces the gradient of the rotation
         return [table_lookup(op),
-                kernel(op.prefix, "backward", Grad(op.outputs[0]), Code("cos"), Code("sin"))]
+                self.call(op, env, "backward", Grad(op.outputs[0]), Code("cos"), Code("sin"))]
 
 
 KIND = Rope()

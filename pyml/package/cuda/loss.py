@@ -1,0 +1,94 @@
+"""loss (CUDA): softmax cross-entropy over the rows, targets of -100 ignored, as
+pyml.package.cpu.loss. One block per row, float64 shared-memory trees for the max and the sum of
+exponentials; the per-row losses go to a device buffer that the host sums in order
+(deterministic)."""
+
+import math
+
+import numpy as np
+from numba import cuda
+
+IGNORE_INDEX = -100
+THREADS = 256
+# per-row losses, one float64 device buffer per row count, allocated on first use
+ROW_LOSS = {}
+
+
+@cuda.jit
+def row_kernel(logits, targets, dlogits, inv_n_valid, write_grad, row_loss):
+    partial = cuda.shared.array(THREADS, np.float64)
+    n = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    n_classes = logits.shape[1]
+    target = targets[n]
+    if target == IGNORE_INDEX:
+        if write_grad:
+            for c in range(tid, n_classes, THREADS):
+                dlogits[n, c] = 0.0
+        if tid == 0:
+            row_loss[n] = 0.0
+        return
+    row_max = -math.inf
+    for c in range(tid, n_classes, THREADS):
+        row_max = max(row_max, np.float64(logits[n, c]))
+    partial[tid] = row_max
+    cuda.syncthreads()
+    stride = THREADS // 2
+    while stride > 0:
+        if tid < stride:
+            partial[tid] = max(partial[tid], partial[tid + stride])
+        cuda.syncthreads()
+        stride //= 2
+    row_max = partial[0]
+    cuda.syncthreads()
+    total = 0.0
+    for c in range(tid, n_classes, THREADS):
+        total += math.exp(np.float64(logits[n, c]) - row_max)
+    partial[tid] = total
+    cuda.syncthreads()
+    stride = THREADS // 2
+    while stride > 0:
+        if tid < stride:
+            partial[tid] += partial[tid + stride]
+        cuda.syncthreads()
+        stride //= 2
+    total = partial[0]
+    target_logit = np.float64(logits[n, target])
+    cuda.syncthreads()  # every thread has read logits[n, target] before dlogits (maybe logits) is written
+    if tid == 0:
+        row_loss[n] = math.log(total) + row_max - target_logit
+    if write_grad:
+        scale = inv_n_valid / total
+        for c in range(tid, n_classes, THREADS):
+            grad = math.exp(np.float64(logits[n, c]) - row_max) * scale
+            if c == target:
+                grad -= inv_n_valid
+            dlogits[n, c] = grad
+
+
+def run(logits, targets, dlogits, write_grad):
+    n_rows = logits.shape[0]
+    host_targets = targets.copy_to_host()
+    if ((host_targets != IGNORE_INDEX) & ((host_targets < 0) | (host_targets >= logits.shape[1]))).any():
+        raise ValueError("target out of range of the classes (-100 ignores a row)")
+    n_valid = int(np.count_nonzero(host_targets != IGNORE_INDEX))
+    if n_rows not in ROW_LOSS:
+        ROW_LOSS[n_rows] = cuda.device_array(n_rows, dtype=np.float64)
+    row_loss = ROW_LOSS[n_rows]
+    inv_n_valid = 1.0 / n_valid if n_valid else 0.0
+    row_kernel[n_rows, THREADS](logits, targets, dlogits, inv_n_valid, write_grad, row_loss)
+    loss_sum = 0.0
+    for value in row_loss.copy_to_host():
+        loss_sum += float(value)
+    return loss_sum / n_valid if n_valid else math.nan
+
+
+def loss_forward_backward(logits, targets, dlogits):
+    # the mean loss over non-ignored rows (nan when all are ignored); dlogits (maybe logits
+    # itself) is overwritten: (softmax - onehot) / n_valid, zeros on ignored rows
+    return run(logits, targets, dlogits, True)
+
+
+def loss_forward(logits, targets):
+    # the loss alone
+    return run(logits, targets, logits, False)
