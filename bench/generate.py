@@ -147,7 +147,7 @@ def run_system(system: str, model_name: str, new_tokens: int, repeats: int) -> d
     """Timings and tokens of one system, in this process."""
     from train_step import MODELS, ensure_model  # run as a script, bench/ is on sys.path
 
-    from pyml.runtime import generate as generation
+    from pyml.generate import decoding as generation
 
     bench_model = MODELS[model_name]
     model_dir = ensure_model(bench_model)
@@ -180,7 +180,7 @@ def run_system(system: str, model_name: str, new_tokens: int, repeats: int) -> d
         from transformers import AutoModelForCausalLM
 
         if model_name == "smollm2":
-            from pyml.runtime.smollm2_gguf import shipped_gguf_path
+            from pyml.formats.smollm2_gguf import shipped_gguf_path
 
             gguf = shipped_gguf_path()
             model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,

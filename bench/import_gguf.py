@@ -20,19 +20,19 @@ import tempfile
 from pathlib import Path
 
 SHIPPED = {
-    "smollm2": "pyml.runtime.smollm2_gguf",
-    "gemma3": "pyml.runtime.gemma3_gguf",
+    "smollm2": "pyml.formats.smollm2_gguf",
+    "gemma3": "pyml.formats.gemma3_gguf",
 }
 
 # Each step is a Python snippet run in a process of its own; it prints its own duration.
 STEPS = {
     "pyml import_gguf": """
-from pyml.runtime.gguf_import import import_gguf
+from pyml.formats.gguf_import import import_gguf
 started = time.perf_counter()
 import_gguf(gguf_path, folder, progress=False)
 """,
     "pyml load_gguf_tensors": """
-from pyml.runtime.gguf_import import load_gguf_tensors
+from pyml.formats.gguf_import import load_gguf_tensors
 started = time.perf_counter()
 load_gguf_tensors(gguf_path)
 """,

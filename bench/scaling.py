@@ -81,8 +81,8 @@ class Timed:
 def worker(args) -> None:
     """One configuration, in this process (one of the ranks under mpiexec); rank 0 writes the
     measurements to args.out."""
-    from pyml.runtime.distributed import process_group
-    from pyml.runtime.train import StopRequest
+    from pyml.train.distributed import process_group
+    from pyml.train.loop import StopRequest
 
     with process_group(args.shard) as group:
         import pyml

@@ -75,16 +75,16 @@ class BenchModel:
 
 MODELS = {
     "smollm2": BenchModel("SmolLM2-135M", "smollm2-135m-instruct", "smollm2_135m",
-                          "pyml.runtime.smollm2_gguf", lr=3e-4),
+                          "pyml.formats.smollm2_gguf", lr=3e-4),
     # 3e-4 wrecks Gemma in one step (loss 3.8 -> 20.9), after which float32 runs part ways; its
     # fine-tuning rate keeps the systems' losses comparable
-    "gemma3": BenchModel("Gemma 3 270M", "gemma3-270m", "gemma3_270m", "pyml.runtime.gemma3_gguf",
+    "gemma3": BenchModel("Gemma 3 270M", "gemma3-270m", "gemma3_270m", "pyml.formats.gemma3_gguf",
                          lr=1e-5),
 }
 
 
 def ensure_model(model: BenchModel = MODELS["smollm2"]) -> Path:
-    from pyml.runtime.gguf_import import SOURCE_GGUF, import_gguf
+    from pyml.formats.gguf_import import SOURCE_GGUF, import_gguf
 
     # a folder imported before import-gguf kept the GGUF beside the weights is imported again
     if not (model.dir / SOURCE_GGUF).exists():
@@ -97,7 +97,7 @@ def corpus_batches(n_batches: int, model: BenchModel = MODELS["smollm2"]) -> lis
     """Consecutive (inputs, targets) batches of B x T tokens from the default corpus."""
     from tokenizers import Tokenizer
 
-    from pyml.runtime.data import load_corpus
+    from pyml.train.data import load_corpus
 
     tokenizer = Tokenizer.from_file(str(model.dir / "tokenizer.json"))
     text = "\n\n".join(document.text for document in load_corpus(None))
@@ -164,7 +164,7 @@ class OursLora:
     name = "pyml LoRA (rank 8 on q, v)"
 
     def __init__(self, model: BenchModel):
-        from pyml.runtime.lora import lora_spec
+        from pyml.train.lora import lora_spec
 
         _, package = lora_spec(ROOT / "specs" / f"{model.spec}.toml", LORA)
         self.package = package
@@ -266,7 +266,7 @@ def model_spec(model: BenchModel):
 
 
 def mlp_hidden(spec) -> int:
-    from pyml.runtime.hf_config import block_layers
+    from pyml.formats.hf_config import block_layers
     from pyml.spec.layers import MLP
 
     (mlp,) = block_layers(spec, MLP)

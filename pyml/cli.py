@@ -167,7 +167,7 @@ def import_gguf(
     """Dequantise a GGUF into DIR: model.safetensors (Hugging Face layout), config.json, the
     tokenizer, the chat template if it has one, and spec.toml, the pyml spec of the model (named
     after DIR; a shipped model's is the name of its spec in specs/)."""
-    from pyml.runtime.gguf_import import import_gguf as run_import
+    from pyml.formats.gguf_import import import_gguf as run_import
 
     if path is not None and shipped is not None:
         raise PymlError("give a GGUF file or --shipped, not both")
@@ -175,9 +175,9 @@ def import_gguf(
     if path is None:
         shipped = shipped or ShippedModel.smollm2
         if shipped == ShippedModel.gemma3:
-            from pyml.runtime import gemma3_gguf as shipped_model
+            from pyml.formats import gemma3_gguf as shipped_model
         else:
-            from pyml.runtime import smollm2_gguf as shipped_model
+            from pyml.formats import smollm2_gguf as shipped_model
         path, name = shipped_model.shipped_gguf_path(), shipped_model.SPEC_NAME
         out = out or Path("models") / shipped.value
     written = run_import(path, out or Path("models") / path.name.removesuffix(".gguf"), name=name)
@@ -195,7 +195,7 @@ def export_gguf(
 ) -> None:
     """Write a llama or gemma3 model folder as a GGUF for llama.cpp, ollama and transformers:
     metadata, tokenizer, chat template and tensors as llama.cpp's converter writes them."""
-    from pyml.runtime.gguf_export import export_gguf as run_export
+    from pyml.formats.gguf_export import export_gguf as run_export
 
     print(f"wrote {run_export(model_dir, out, type_name)}")
 
@@ -219,8 +219,8 @@ def generate(
 ) -> None:
     """Generate text with the generated package of the folder's spec and a KV cache, streaming
     tokens as they come."""
-    from pyml.runtime import generate as generation
-    from pyml.runtime.quantized_decoding import QuantizedDecoder, check_weights
+    from pyml.generate import decoding as generation
+    from pyml.generate.quantized import QuantizedDecoder, check_weights
 
     check_weights(weights, activations)
     if temperature < 0 or not 0 < top_p <= 1:
@@ -268,15 +268,15 @@ def train(
     """Train a generated model on real data: progress bar, held-out loss, checkpoints, --resume,
     Ctrl-C saves a checkpoint. Runs data-parallel under mpiexec or srun, or with --ranks. With
     --lora-rank, trains LoRA adapters instead of every weight."""
-    from pyml.runtime import distributed
-    from pyml.runtime.lora import parse_targets
+    from pyml.train import distributed
+    from pyml.train.lora import parse_targets
 
     if ranks is not None and ranks < 1:
         raise PymlError("--ranks must be at least 1")
     if ranks is not None and ranks > 1:
         distributed.launch(ranks, sys.argv[1:])
     with distributed.process_group(shard_optimizer, peer_timeout) as group:
-        from pyml.runtime.train import train as run_train
+        from pyml.train.run import train as run_train
 
         run_train(spec, init=init, data=data, steps=steps, batch=batch, seq=seq, out=out, lr=lr,
                   weight_decay=weight_decay, max_grad_norm=max_grad_norm, eval_every=eval_every,
@@ -295,7 +295,7 @@ def merge_lora(
 ) -> None:
     """Fold a LoRA adapter into its base, W + (alpha / r) B A: a full model folder that `pyml
     generate`, `pyml export-gguf` and transformers read."""
-    from pyml.runtime.lora import merge_lora as run_merge
+    from pyml.train.lora import merge_lora as run_merge
 
     print(f"wrote {run_merge(base, adapter, out)}")
 

@@ -30,9 +30,9 @@ from types import ModuleType
 from pyml import __version__
 from pyml.cache import PACKAGES, cache_dir, writable
 from pyml.errors import PymlError
+from pyml.formats.model_folder import SPEC_FILE
 from pyml.project import find_project, spec_project
 
-SPEC_FILE = "spec.toml"  # a model folder's spec
 
 
 def generator_inputs() -> dict:
@@ -166,7 +166,7 @@ def package_for(source: Path) -> ModuleType:
 def derived_package(data: dict, cache: Path | None = None):
     """(spec, package) of spec data made at run time (a LoRA run's spec, a fuzzer's draw),
     checked as `pyml gen` checks a spec and generated into the cache."""
-    from pyml.runtime.spec_toml import spec_toml
+    from pyml.formats.spec_toml import spec_toml
     from pyml.spec import parse_spec
 
     text = spec_toml(data, f"{data.get('name')}: made by pyml at run time")

@@ -56,11 +56,11 @@ def tiny_folders(tmp_path_factory) -> dict[str, Path]:
 
 
 def shipped_folder(tmp_path_factory, module: str, folder: str) -> Path:
-    """The folder `pyml import-gguf --shipped` writes for the model of `pyml.runtime.<module>`."""
+    """The folder `pyml import-gguf --shipped` writes for the model of `pyml.formats.<module>`."""
     from pyml.errors import PymlError
-    from pyml.runtime.gguf_import import import_gguf
+    from pyml.formats.gguf_import import import_gguf
 
-    shipped = importlib.import_module(f"pyml.runtime.{module}")
+    shipped = importlib.import_module(f"pyml.formats.{module}")
     try:
         path = shipped.shipped_gguf_path()
     except PymlError as error:
@@ -86,7 +86,7 @@ def smollm2_reference():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pyml.runtime.smollm2_gguf import shipped_gguf_path
+    from pyml.formats.smollm2_gguf import shipped_gguf_path
 
     gguf = shipped_gguf_path()
     model = AutoModelForCausalLM.from_pretrained(
@@ -100,7 +100,7 @@ def one_step_checkpoint(tmp_path_factory, spec: str, init: Path) -> Path:
     few lines of text (tokenising the default corpus would take longer than the step)."""
     from model_folders import tiny_text
 
-    from pyml.runtime.train import train
+    from pyml.train.run import train
 
     folder = tmp_path_factory.mktemp(f"{spec}_run")
     result = train(
@@ -121,7 +121,7 @@ def gemma3_checkpoint(tmp_path_factory, gemma3_dir) -> Path:
 
 
 def exported(tmp_path_factory, checkpoint: Path) -> Path:
-    from pyml.runtime.gguf_export import export_gguf
+    from pyml.formats.gguf_export import export_gguf
 
     out = tmp_path_factory.mktemp("exported") / f"{checkpoint.parent.parent.name}.gguf"
     return export_gguf(checkpoint, out, "f32", progress=False)

@@ -124,6 +124,23 @@ def test_rmsnorm(cpu, gpu, dtype, prefix):
     same(*run_both(*both("forward_residual"), x, r, *outputs)[:2])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layernorm(cpu, gpu, dtype):
+    def both(name):
+        return [getattr(m, f"layer_norm_{name}") for m in (cpu, gpu)]
+
+    rng = np.random.default_rng(5)
+    x, w, b, dy = rand(rng, dtype, 3, D), rand(rng, dtype, D), rand(rng, dtype, D), rand(rng, dtype, 3, D)
+    stats = np.zeros(3, dtype), np.zeros(3, dtype)
+    host, dev, _ = run_both(*both("forward"), x, w, b, np.zeros((3, D), dtype), *stats)
+    same(host, dev)
+    mean, rstd = host[4], host[5]
+    grads = np.zeros((3, D), dtype), np.zeros(D, dtype), np.zeros(D, dtype)
+    same(*run_both(*both("backward"), x, w, mean, rstd, dy, *grads)[:2])
+    stream = rand(rng, dtype, 3, D)
+    same(*run_both(*both("backward_add"), x, w, mean, rstd, dy, stream, *grads[1:])[:2])
+
+
 def head_views(buffer, view):
     # view 0: the q heads, 1: the k heads of a fused (N, (H + 2 KV) * head_dim) buffer (host or device)
     heads = buffer.reshape(buffer.shape[0], H + 2 * KV, HD)

@@ -25,11 +25,13 @@ sys.path.insert(0, str(ROOT))
 
 from project_packages import project_package  # noqa: E402
 from pyml.errors import PymlError  # noqa: E402
-from pyml.runtime import gradient_exchange  # noqa: E402
-from pyml.runtime.data import encode_documents, load_corpus, next_token_pairs, pack, split_documents  # noqa: E402
-from pyml.runtime.digits import load_digits_split  # noqa: E402
-from pyml.runtime.distributed import process_group  # noqa: E402
-from pyml.runtime.train import IGNORED_TARGET, TrainingConfig, run_training  # noqa: E402
+from pyml.train import gradient_exchange  # noqa: E402
+from pyml.train.data import encode_documents, load_corpus, next_token_pairs, pack, split_documents  # noqa: E402
+from pyml.train.digits import load_digits_split  # noqa: E402
+from pyml.train.distributed import process_group  # noqa: E402
+from pyml.package.base import IGNORED_TARGET  # noqa: E402
+from pyml.train.config import TrainingConfig  # noqa: E402
+from pyml.train.loop import run_training  # noqa: E402
 
 SEQ = 16
 
@@ -134,7 +136,7 @@ def make_model(run, rank: int):
     spec's LoRA package (as `pyml train --lora-rank` generates it) on the base weights run["base"]."""
 
     if run.get("lora"):
-        from pyml.runtime.lora import lora_spec
+        from pyml.train.lora import lora_spec
 
         _, package = lora_spec(ROOT / "specs" / f"{run['model']}.toml", run["lora"])
         model = package.Model.from_base(run["base"], seed=0, dtype=np.float64)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from pyml.packages import derived_package
 from pyml.errors import PymlError
-from pyml.runtime.spec_toml import spec_toml
+from pyml.formats.spec_toml import spec_toml
 from pyml.spec import parse_spec
 from torch_reference import Reference, loss_and_grads
 
@@ -112,7 +112,7 @@ def fused_decoding(model, ids: np.ndarray) -> np.ndarray:
     rows: the step's structure (biases, heads, windows, norms) in float64. On the CPU the step
     decodes every position after the first; on CUDA only the last, after a prefill of the others,
     since the simulator runs each GPU thread of a token in Python (tens of seconds a token here)."""
-    from pyml.runtime.quantized_decoding import QuantizedDecoder, decode_module, float_row_weights
+    from pyml.generate.quantized import QuantizedDecoder, decode_module, float_row_weights
 
     step = decode_module(model)
     decoder = QuantizedDecoder(model, step, *float_row_weights(model, step.LINEARS))
@@ -133,6 +133,11 @@ EPS = st.sampled_from([1e-5, 1e-6, 0.1])
 def rmsnorm(draw, dim, name=None):
     layer = {"kind": "rmsnorm", "dim": dim, "eps": draw(EPS), "unit_offset": draw(st.booleans())}
     return layer | ({"name": name} if name else {})
+
+
+@st.composite
+def layernorm(draw, dim):
+    return {"kind": "layernorm", "dim": dim, "eps": draw(EPS), "bias": draw(st.booleans())}
 
 
 @st.composite
@@ -167,10 +172,12 @@ def mlp(draw, dim):
 
 @st.composite
 def block_layer(draw, dim, n_layers, max_len, depth=0):
-    kinds = ["rmsnorm", "attention", "mlp"] + (["residual"] if depth < 2 else [])
+    kinds = ["rmsnorm", "layernorm", "attention", "mlp"] + (["residual"] if depth < 2 else [])
     kind = draw(st.sampled_from(kinds))
     if kind == "rmsnorm":
         return draw(rmsnorm(dim))
+    if kind == "layernorm":
+        return draw(layernorm(dim))
     if kind == "attention":
         return draw(attention(dim, n_layers, max_len))
     if kind == "mlp":
@@ -224,7 +231,7 @@ def decoder_specs(draw, max_len=8):
 def sequential_layers(draw, width, depth=0):
     layers = []
     for _ in range(draw(st.integers(1, 3))):
-        kind = draw(st.sampled_from(["linear", "relu", "gelu", "silu", "rmsnorm"]
+        kind = draw(st.sampled_from(["linear", "relu", "gelu", "silu", "rmsnorm", "layernorm"]
                                     + (["residual"] if depth < 2 else [])))
         if kind == "linear":
             out = draw(FEATURES)
@@ -233,6 +240,8 @@ def sequential_layers(draw, width, depth=0):
             width = out
         elif kind == "rmsnorm":
             layers.append(draw(rmsnorm(width)))
+        elif kind == "layernorm":
+            layers.append(draw(layernorm(width)))
         elif kind == "residual":
             body, body_width = draw(sequential_layers(width, depth + 1))
             if body_width != width:

@@ -49,6 +49,8 @@ def all_blocks(target: str) -> list[tuple[str, dict]]:
           for p, scale in EMBEDDING_SCALES.items()],
         *[("rmsnorm", dict(p=p, dim=d["dim"], eps=NORM_EPS[p], unit_offset=UNIT_OFFSET[p]))
           for p in ("norm", "norm_offset")],
+        *[("layernorm", dict(p=p, dim=d["dim"], eps=1e-5, bias=bias))
+          for p, bias in (("layer_norm", True), ("layer_norm_unbiased", False))],
         # QK-norm: the query heads' without offset (Qwen3), the kv heads' with (Gemma 3)
         *[("head_rmsnorm", dict(p=p, n_heads=n_heads, head_dim=d["head_dim"], eps=NORM_EPS[p],
                                 unit_offset=UNIT_OFFSET[p]))

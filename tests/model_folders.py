@@ -12,7 +12,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from pyml.runtime.gguf_import import import_gguf
+from pyml.formats.gguf_import import import_gguf
 from pyml.spec import load_spec
 
 # llama_tiny's dims, read from its spec so that the two never part.

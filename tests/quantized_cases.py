@@ -3,7 +3,7 @@
 simulator (tests/quantized_decode_cuda_cases.py).
 
 Two kinds of weights, each encoded as the GGUF bytes of its type and loaded through
-`pyml.runtime.gguf_quantized`, so the layout decoding is under test too:
+`pyml.formats.gguf_quantized`, so the layout decoding is under test too:
 - exact: small integers q with small integer scales and offsets (float16 represents them exactly),
   so every weight, product and partial sum is an integer far below 2^24 and float32 arithmetic is
   exact in any order. `gguf.quants.dequantize` of the bytes must give back exactly the integer
@@ -22,9 +22,9 @@ from gguf.quants import dequantize, quantize
 
 from pyml import exact
 from pyml.package.decode_cpu import DENSE
-from pyml.runtime.gguf_quantized import BLOCKS, quantized_matrix
-from pyml.runtime.quant import GGMLType
-from pyml.runtime.quantized_decoding import STEP_KINDS, kept_arrays, weight_tuple
+from pyml.formats.gguf_quantized import BLOCKS, quantized_matrix
+from pyml.formats.quant import GGMLType
+from pyml.generate.quantized import STEP_KINDS, kept_arrays, weight_tuple
 
 TYPES = (GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q4_K, GGML.Q6_K)  # the types of the shipped GGUFs
 # float32 unit roundoff: a sum of K products is within K * UNIT * sum |w x| of the exact one
@@ -143,7 +143,7 @@ def assert_within_float32_sum(y: np.ndarray, x: np.ndarray, weights: np.ndarray)
 
 # -- the decode steps' linear map (pyml/package/decode_cpu.py, decode_cuda.py) ---------------------
 # `run_step(weight, layer, x)` runs a target's linear_row on a step weight tuple (host arrays,
-# pyml.runtime.quantized_decoding.weight_tuple) and returns y (1, rows) on the host.
+# pyml.generate.quantized.weight_tuple) and returns y (1, rows) on the host.
 
 STEP_TYPES = (*TYPES, GGML.Q5_0)  # Q5_0: the fused steps' only (Gemma 3's q, k, v, gate, up)
 

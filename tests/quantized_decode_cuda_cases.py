@@ -25,7 +25,7 @@ from quantized_cases import (
 from project_packages import project_package
 from pyml.errors import PymlError
 from pyml.package.decode_cuda import device_weight, linear_row
-from pyml.runtime.quantized_decoding import QuantizedDecoder
+from pyml.generate.quantized import QuantizedDecoder
 
 tiny = project_package("llama_tiny").model
 

@@ -8,7 +8,7 @@ import pytest
 
 from project_packages import project_package
 from pyml.errors import PymlError
-from pyml.runtime.checkpoint import (
+from pyml.train.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pyml.errors import PymlError
-from pyml.runtime.data import (
+from pyml.train.data import (
     Batches,
     Document,
     encode_documents,
@@ -17,7 +17,7 @@ from pyml.runtime.data import (
     split_documents,
     start_id,
 )
-from pyml.runtime.digits import load_digits_split
+from pyml.train.digits import load_digits_split
 
 EOS = 255
 

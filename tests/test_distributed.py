@@ -21,8 +21,8 @@ import pytest
 
 import distributed_worker as worker
 from project_packages import project_package
-from pyml.runtime.checkpoint import latest_checkpoint, list_checkpoints, read_state
-from pyml.runtime.train import run_training
+from pyml.train.checkpoint import latest_checkpoint, list_checkpoints, read_state
+from pyml.train.loop import run_training
 
 pytest.importorskip("mpi4py", reason="mpi4py is not installed (pip install mpi4py mpich)")
 BESIDE_PYTHON = Path(sys.executable).parent / "mpiexec"
@@ -250,7 +250,7 @@ def test_sigterm_on_the_launcher_saves_once_and_stops_every_rank(tmp_path):
 
 def test_one_rank_imports_no_mpi(tmp_path):
     code = (
-        "import sys; from pathlib import Path; from pyml.runtime.train import train; "
+        "import sys; from pathlib import Path; from pyml.train.run import train; "
         f"train(Path({str(ROOT / 'specs/mlp_digits.toml')!r}), steps=2, out=Path({str(tmp_path)!r}), "
         "progress=False); assert 'mpi4py' not in sys.modules, 'mpi4py was imported'"
     )

@@ -20,14 +20,15 @@ import torch
 from model_folders import LLAMA_ATTENTION, tiny_text
 
 from project_packages import project_package
-from pyml.runtime import generate as generation
-from pyml.runtime.checkpoint import read_state
-from pyml.runtime.gguf_export import export_gguf
-from pyml.runtime.gguf_import import import_gguf
-from pyml.runtime.loss_curve import loss_curve_figure
-from pyml.runtime.model_folder import DESCRIPTION_FILES
-from pyml.runtime.safetensors_io import read_safetensors
-from pyml.runtime.train import TrainingConfig, text_pairs, train
+from pyml.generate import decoding as generation
+from pyml.train.checkpoint import read_state
+from pyml.formats.gguf_export import export_gguf
+from pyml.formats.gguf_import import import_gguf
+from pyml.train.loss_curve import loss_curve_figure
+from pyml.formats.model_folder import DESCRIPTION_FILES
+from pyml.formats.safetensors_io import read_safetensors
+from pyml.train.config import TrainingConfig
+from pyml.train.run import text_pairs, train
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"

@@ -18,7 +18,7 @@ from pydoc_data.topics import topics
 from transformers import Gemma3ForCausalLM
 
 from pyml.errors import PymlError
-from pyml.runtime import generate as generation
+from pyml.generate import decoding as generation
 
 ROOT = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 32

@@ -25,9 +25,9 @@ from gguf.quants import dequantize as reference_dequantize
 from gguf.quants import quantize as reference_quantize
 
 from pyml.errors import PymlError
-from pyml.runtime.gemma3_gguf import shipped_gguf_path
-from pyml.runtime.gguf_import import import_gguf
-from pyml.runtime.safetensors_io import read_safetensors
+from pyml.formats.gemma3_gguf import shipped_gguf_path
+from pyml.formats.gguf_import import import_gguf
+from pyml.formats.safetensors_io import read_safetensors
 
 GGMLType = gguf.GGMLQuantizationType
 ROOT = Path(__file__).parents[1]

@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 from text_samples import TEXTS, VARIED_TEXT
 from tokenizers import Tokenizer
 
-from pyml.runtime.gemma3_gguf import shipped_gguf_path
-from pyml.runtime.gguf_read import read_gguf
-from pyml.runtime.tokenizer import build_tokenizer
+from pyml.formats.gemma3_gguf import shipped_gguf_path
+from pyml.formats.gguf_read import read_gguf
+from pyml.formats.tokenizer import build_tokenizer
 
 LONGEST_SPACE_TOKEN = 31
 SPECIAL = [

@@ -28,8 +28,8 @@ from transformers.models.gemma3 import modeling_gemma3
 from generator_fuzz import generated_package, random_tensors, relative_error
 from real_model_training import our_losses, relative_differences, torch_losses
 from project_packages import project_package
-from pyml.runtime.data import encode_documents, load_corpus, next_token_pairs, pack, start_id
-from pyml.runtime.hf_config import config_mismatches
+from pyml.train.data import encode_documents, load_corpus, next_token_pairs, pack, start_id
+from pyml.formats.hf_config import config_mismatches
 
 ROOT = Path(__file__).resolve().parents[1]
 

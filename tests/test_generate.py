@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pyml.errors import PymlError
-from pyml.runtime import generate as generation
+from pyml.generate import decoding as generation
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "specs" / "smollm2_135m.toml"

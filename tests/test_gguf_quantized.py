@@ -1,4 +1,4 @@
-"""Quantized weights kept as the GGUF stores them (pyml/runtime/gguf_quantized.py).
+"""Quantized weights kept as the GGUF stores them (pyml/formats/gguf_quantized.py).
 
 - The layout: the weights its arrays imply are gguf's dequantization bit for bit, for every kept
   type, on real and random blocks.
@@ -23,7 +23,7 @@ from quantized_cases import (
 
 from pyml.errors import PymlError
 from pyml.package.decode_cpu import linear_row
-from pyml.runtime.gguf_quantized import BLOCKS, quantized_matrix
+from pyml.formats.gguf_quantized import BLOCKS, quantized_matrix
 
 
 def implied_weights(matrix) -> np.ndarray:
@@ -67,8 +67,8 @@ def test_layout_stands_for_ggufs_weights_bit_for_bit(ggml, kind):
                                   "blk.7.ffn_gate.weight", "token_embd.weight"])
 def test_smollm2_weights(name):
     """The shipped SmolLM2 GGUF's matrices (Q4_1; the tied embedding Q8_0, its first 4096 rows)."""
-    from pyml.runtime.gguf_read import read_gguf
-    from pyml.runtime.smollm2_gguf import shipped_gguf_path
+    from pyml.formats.gguf_read import read_gguf
+    from pyml.formats.smollm2_gguf import shipped_gguf_path
 
     tensor = read_gguf(shipped_gguf_path()).tensors[name]
     rows, columns = min(tensor.shape[0], 4096), tensor.shape[1]

@@ -1,4 +1,4 @@
-"""Whether a Hugging Face config describes a spec (`pyml.runtime.hf_config`), with configs as
+"""Whether a Hugging Face config describes a spec (`pyml.formats.hf_config`), with configs as
 transformers itself writes them: a LlamaConfig and a Gemma3TextConfig saved by transformers 5 keep
 their RoPE bases in `rope_parameters`, where import-gguf writes `rope_theta` (and Gemma's
 `rope_local_base_freq`); both forms describe the same spec."""
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig, LlamaConfig
 
-from pyml.runtime.hf_config import config_mismatches
+from pyml.formats.hf_config import config_mismatches
 from pyml.spec import load_spec, parse_spec
 
 ROOT = Path(__file__).resolve().parents[1]

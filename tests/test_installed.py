@@ -193,7 +193,7 @@ def test_a_corrupt_cache_entry_is_generated_again(installed):
 def test_import_a_gguf_under_any_name_then_two_chats_at_once(installed):
     """The spec is named after the folder and generated on first use: two processes asking for it
     at once both answer, with one package in the cache."""
-    from pyml.runtime.smollm2_gguf import shipped_gguf_path
+    from pyml.formats.smollm2_gguf import shipped_gguf_path
 
     imported = installed.run(installed.pyml, "import-gguf", shipped_gguf_path(), "--out", "My Model")
     assert imported.returncode == 0, imported.stderr

@@ -25,13 +25,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pyml.errors import PymlError
-from pyml.runtime.gguf_architectures import architecture_of
-from pyml.runtime.gguf_import import check_tensors, import_gguf
-from pyml.runtime import gemma3_gguf
-from pyml.runtime.gguf_read import read_gguf
-from pyml.runtime.safetensors_io import read_safetensors, write_safetensors
-from pyml.runtime.smollm2_gguf import shipped_gguf_path
-from pyml.runtime.tokenizer import build_tokenizer
+from pyml.formats.gguf_architectures import architecture_of
+from pyml.formats.gguf_import import check_tensors, import_gguf
+from pyml.formats import gemma3_gguf
+from pyml.formats.gguf_read import read_gguf
+from pyml.formats.safetensors_io import read_safetensors, write_safetensors
+from pyml.formats.smollm2_gguf import shipped_gguf_path
+from pyml.formats.tokenizer import build_tokenizer
 
 SECONDS_ALLOWED = 10  # a parse takes well under a second; more than this is a hang
 

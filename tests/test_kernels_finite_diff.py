@@ -50,6 +50,25 @@ def test_rmsnorm(k, seed, prefix):
 
 
 @pytest.mark.parametrize("seed", range(3))
+def test_layernorm(k, seed):
+    forward, backward = k.layer_norm_forward, k.layer_norm_backward
+    rng = np.random.default_rng(seed)
+    x, w, b = rng.standard_normal((5, D)), rng.standard_normal(D), rng.standard_normal(D)
+    c = rng.standard_normal((5, D))
+
+    def loss(x, w, b):
+        y, mean, rstd = np.empty_like(x), np.empty(x.shape[0]), np.empty(x.shape[0])
+        forward(x, w, b, y, mean, rstd)
+        return float(np.sum(c * y))
+
+    y, mean, rstd = np.empty_like(x), np.empty(5), np.empty(5)
+    dx, dw, db = np.empty_like(x), np.empty_like(w), np.empty_like(b)
+    forward(x, w, b, y, mean, rstd)
+    backward(x, w, mean, rstd, c, dx, dw, db)
+    check(loss, [x, w, b], [dx, dw, db], rng)
+
+
+@pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize(("prefix", "heads"), [("q_norm", H), ("k_norm", KV)])
 def test_head_rmsnorm(k, seed, prefix, heads):
     # on strided views (every other head of a wider buffer), as the fused q/k/v buffer gives them

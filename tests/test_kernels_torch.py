@@ -43,6 +43,7 @@ FLOAT32_TOL = {
     "linear": (1e-5, 1e-5),  # BLAS sums of 24-40 products; summation order differs from torch's
     "embedding": (0, 0),  # a gather is exact; the scatter-add sums in the same row order
     "rmsnorm": (1e-5, 1e-6),  # also the unit-offset gain and the per-head (QK) norm
+    "layernorm": (1e-5, 1e-5),  # the mean and variance in float64, torch's in float32
     "rope": (1e-6, 1e-6),  # one rotation: 2 products and a sum per output
     "attention": (1e-5, 1e-6),
     # silu, gelu, relu, swiglu, geglu, residual: gelu evaluates in float64 and rounds once, silu,
@@ -210,6 +211,39 @@ def test_rmsnorm(k, dtype, n, prefix):
     dx_added, dw_added = stream.copy(), np.full_like(w, np.nan)
     backward_add(x, w, rstd, dy, dx_added, dw_added)
     close(dx_added, stream + dx, dtype, "rmsnorm")
+    np.testing.assert_array_equal(dw_added, dw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", ROWS)
+@pytest.mark.parametrize("bias", [True, False])
+def test_layernorm(k, dtype, n, bias):
+    prefix = "layer_norm" if bias else "layer_norm_unbiased"
+    forward, backward = getattr(k, f"{prefix}_forward"), getattr(k, f"{prefix}_backward")
+    backward_add = getattr(k, f"{prefix}_backward_add")
+    rng = np.random.default_rng(n)
+    x, w, b = rand(rng, (n, D), dtype, 3.0) + 2.0, rand(rng, D, dtype), rand(rng, D, dtype)
+    dy = rand(rng, (n, D), dtype)
+    y, mean, rstd = np.empty_like(x), np.empty(n, dtype), np.empty(n, dtype)
+    dx, dw, db = np.empty_like(x), np.empty_like(w), np.empty_like(b)
+    forward(x, w, b, y, mean, rstd) if bias else forward(x, w, y, mean, rstd)
+    backward(x, w, mean, rstd, dy, dx, dw, db) if bias else backward(x, w, mean, rstd, dy, dx, dw)
+    tx, tw, tb = t(x, True), t(w, True), t(b, True)
+    ty = F.layer_norm(tx, (D,), tw, tb if bias else None, 1e-5)
+    ty.backward(t(dy))
+    for ours, theirs in ((y, ty), (dx, tx.grad), (dw, tw.grad), (mean, tx.mean(-1))):
+        close(ours, theirs, dtype, "layernorm")
+    if bias:
+        close(db, tb.grad, dtype, "layernorm")
+    close(rstd, torch.rsqrt(tx.var(-1, unbiased=False) + 1e-5), dtype, "layernorm")
+    # the accumulating backward adds the input gradient into what dx holds, and writes dw
+    stream = rand(rng, (n, D), dtype)
+    dx_added, dw_added = stream.copy(), np.full_like(w, np.nan)
+    if bias:
+        backward_add(x, w, mean, rstd, dy, dx_added, dw_added, np.empty_like(b))
+    else:
+        backward_add(x, w, mean, rstd, dy, dx_added, dw_added)
+    close(dx_added, stream + dx, dtype, "layernorm")
     np.testing.assert_array_equal(dw_added, dw)
 
 

@@ -21,9 +21,9 @@ from model_folders import tiny_text
 from test_finetune_loop import llama_in_float64, tiny_training
 
 from pyml.errors import PymlError
-from pyml.runtime import generate as generation
-from pyml.runtime.checkpoint import read_state
-from pyml.runtime.lora import (
+from pyml.generate import decoding as generation
+from pyml.train.checkpoint import read_state
+from pyml.train.lora import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_MODEL_FILE,
     PEFT_MODULES,
@@ -34,9 +34,10 @@ from pyml.runtime.lora import (
     merge_lora,
     read_adapter_tensors,
 )
-from pyml.runtime.loss_curve import describe_settings
-from pyml.runtime.safetensors_io import read_safetensors, write_safetensors
-from pyml.runtime.train import TrainingConfig, train
+from pyml.train.loss_curve import describe_settings
+from pyml.formats.safetensors_io import read_safetensors, write_safetensors
+from pyml.train.config import TrainingConfig
+from pyml.train.run import train
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"

@@ -15,7 +15,7 @@ from pyml.codegen.emit import write_generated
 from pyml.errors import PymlError
 from pyml.packages import cached_package, package_for
 from pyml.project import init_project
-from pyml.runtime import generate as generation
+from pyml.generate import decoding as generation
 from pyml.spec import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]

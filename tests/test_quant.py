@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from gguf.quants import dequantize as reference_dequantize
 
-from pyml.runtime import gemma3_gguf, smollm2_gguf
-from pyml.runtime.quant import BLOCK_LAYOUT, GGMLType, dequantize, tensor_nbytes
+from pyml.formats import gemma3_gguf
+from pyml.formats import smollm2_gguf
+from pyml.formats.quant import BLOCK_LAYOUT, GGMLType, dequantize, tensor_nbytes
 
 
 def same_bits(ours: np.ndarray, reference: np.ndarray) -> bool:

@@ -34,9 +34,9 @@ from pyml import exact
 from pyml.errors import PymlError
 from pyml.package import quantized_dot
 from pyml.package.decode_cpu import linear_row
-from pyml.runtime.gguf_quantized import quantized_matrix
-from pyml.runtime.quant import GGMLType
-from pyml.runtime.quantized_decoding import (
+from pyml.formats.gguf_quantized import quantized_matrix
+from pyml.formats.quant import GGMLType
+from pyml.generate.quantized import (
     STEP_KINDS,
     QuantizedDecoder,
     check_weights,
@@ -195,10 +195,10 @@ VECTOR_IR_CHOICE = """
 import numpy as np
 from pyml.package import quantized_dot
 from pyml.package.decode_cpu import linear_row
-from pyml.runtime.gguf_quantized import quantized_matrix
-from pyml.runtime.quant import GGMLType
-from pyml.runtime.quantize import quantize
-from pyml.runtime.quantized_decoding import STEP_KINDS, kept_arrays, weight_tuple, with_int8_activations
+from pyml.formats.gguf_quantized import quantized_matrix
+from pyml.formats.quant import GGMLType
+from pyml.formats.quantize import quantize
+from pyml.generate.quantized import STEP_KINDS, kept_arrays, weight_tuple, with_int8_activations
 rng = np.random.default_rng(5)
 rows, columns = 21, 32 * 7
 x = rng.normal(0, 1, (1, columns)).astype(np.float32)

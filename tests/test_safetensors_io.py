@@ -11,7 +11,7 @@ import safetensors.numpy
 import torch
 
 from pyml.errors import PymlError
-from pyml.runtime.safetensors_io import read_safetensors, write_safetensors
+from pyml.formats.safetensors_io import read_safetensors, write_safetensors
 
 ALL_WRITABLE = {
     "f64": np.linspace(-1, 1, 6).reshape(2, 3),

@@ -12,7 +12,7 @@ from scipy.stats import binom
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 from project_packages import project_package
 
-from pyml.runtime import generate as generation
+from pyml.generate import decoding as generation
 
 tiny = project_package("llama_tiny")
 

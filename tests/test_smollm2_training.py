@@ -10,7 +10,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
 from project_packages import project_package
-from pyml.runtime.data import load_corpus
+from pyml.train.data import load_corpus
 
 package = project_package("smollm2_135m")
 

@@ -7,7 +7,7 @@ import tomllib
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pyml.runtime.spec_toml import spec_toml
+from pyml.formats.spec_toml import spec_toml
 
 SCALARS = (
     st.booleans()

@@ -20,9 +20,9 @@ from hypothesis import given, settings
 from text_samples import TEXTS, VARIED_TEXT
 from tokenizers import Tokenizer
 
-from pyml.runtime.gguf_read import read_gguf
-from pyml.runtime.smollm2_gguf import shipped_gguf_path
-from pyml.runtime.tokenizer import build_tokenizer
+from pyml.formats.gguf_read import read_gguf
+from pyml.formats.smollm2_gguf import shipped_gguf_path
+from pyml.formats.tokenizer import build_tokenizer
 
 SPECIAL = [
     "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",

@@ -12,10 +12,12 @@ import pytest
 
 from project_packages import project_package
 from pyml.errors import PymlError
-from pyml.runtime.checkpoint import latest_checkpoint, list_checkpoints, read_state
-from pyml.runtime.data import encode_documents, load_corpus, next_token_pairs, pack, split_documents
-from pyml.runtime.digits import load_digits_split
-from pyml.runtime.train import TrainingConfig, run_training, train
+from pyml.train.checkpoint import latest_checkpoint, list_checkpoints, read_state
+from pyml.train.data import encode_documents, load_corpus, next_token_pairs, pack, split_documents
+from pyml.train.digits import load_digits_split
+from pyml.train.config import TrainingConfig
+from pyml.train.loop import run_training
+from pyml.train.run import train
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"
@@ -167,7 +169,7 @@ def test_held_out_loss_is_torch_cross_entropy_of_the_logits():
     decoder over its first eval_batches batches, a classifier over every example."""
     import torch
 
-    from pyml.runtime.train import evaluate
+    from pyml.train.evaluation import evaluate
 
     rng = np.random.default_rng(0)
     decoder = llama.Model.initialized(seed=0, dtype=np.float64)

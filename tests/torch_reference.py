@@ -11,13 +11,29 @@ import math
 
 import torch
 
-from pyml.spec.layers import GELU, MLP, Attention, BlockResidual, Linear, ReLU, Residual, RMSNorm, SiLU
+from pyml.spec.layers import (
+    GELU,
+    MLP,
+    Attention,
+    BlockResidual,
+    LayerNorm,
+    Linear,
+    ReLU,
+    Residual,
+    RMSNorm,
+    SiLU,
+)
 from pyml.spec.models import DecoderModel, SequentialModel
 
 
 def rms_norm(x, weight, eps, unit_offset):
     normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return normed * ((1.0 + weight) if unit_offset else weight)
+
+
+def layer_norm(reference, x, layer: LayerNorm, name: str):
+    bias = reference.w(f"{name}.bias") if layer.bias else None
+    return torch.nn.functional.layer_norm(x, (layer.dim,), reference.w(f"{name}.weight"), bias, layer.eps)
 
 
 def rotate(x, theta, positions):
@@ -61,6 +77,8 @@ class Reference(torch.nn.Module):
                     x = x + self.w(f"{name}.bias")
             elif isinstance(layer, RMSNorm):
                 x = rms_norm(x, self.w(f"{name}.weight"), layer.eps, layer.unit_offset)
+            elif isinstance(layer, LayerNorm):
+                x = layer_norm(self, x, layer, name)
             elif isinstance(layer, ReLU):
                 x = torch.relu(x)
             elif isinstance(layer, GELU):
@@ -126,6 +144,8 @@ class Reference(torch.nn.Module):
                 x = x + self.block(item.body, x, layer)
             elif isinstance(item.layer, RMSNorm):
                 x = rms_norm(x, self.w(f"{prefix}.weight"), item.layer.eps, item.layer.unit_offset)
+            elif isinstance(item.layer, LayerNorm):
+                x = layer_norm(self, x, item.layer, prefix)
             elif isinstance(item.layer, Attention):
                 x = self.attention(item.layer, prefix, x, layer)
             elif isinstance(item.layer, MLP):

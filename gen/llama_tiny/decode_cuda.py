@@ -6,7 +6,7 @@ Do not edit: regenerate with `pyml gen`; `pyml check` fails if this file drifts.
 model's `run_decode` ops in the same order, on the same kernels (`kernels_cuda`), except the linear
 maps, which run `pyml.package.decode_cuda.linear_row` on weights kept as the GGUF stores them
 (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K) or as float rows; Lean law linear_input_adjoint: their
-forward is matVec W v. `pyml.runtime.quantized_decoding` builds the weights and runs the step.
+forward is matVec W v. `pyml.generate.quantized` builds the weights and runs the step.
 """
 
 from pyml.package.decode_cuda import add_bias, cache_slot, linear_row, store_slot

@@ -18,6 +18,7 @@ from pyml.spec.layers import (
     MLP,
     Attention,
     BlockResidual,
+    LayerNorm,
     Linear,
     ReLU,
     Residual,
@@ -166,6 +167,21 @@ class Lowering:
                   {"unit_offset": norm.unit_offset},
                   (gain_instance(name, norm.dim, f"the RMSNorm gain {gain}, element-wise"),)), y
 
+    def layernorm(self, name: str, norm: LayerNorm, x: str, tensor: str) -> tuple[Op, str]:
+        """`tensor` names the gain's tensor (`....weight`); the bias is `....bias` beside it."""
+        rows = self.values[x].shape[:-1]
+        y = self.storage(f"{name}_out", (*rows, norm.dim))
+        mean, rstd = self.storage(f"{name}_mean", rows), self.storage(f"{name}_rstd", rows)
+        params = {"weight": self.param(name, (norm.dim,), "ones", [(tensor, 0, norm.dim)])}
+        instances = [gain_instance(name, norm.dim, "the LayerNorm gain w, element-wise")]
+        if norm.bias:
+            bias_tensor = tensor.removesuffix(".weight") + ".bias"
+            params["bias"] = self.param(f"{name}_bias", (norm.dim,), "zeros", [(bias_tensor, 0, norm.dim)])
+            instances.append(Instance(name, "bias_adjoint", {"n": norm.dim}))
+        self.kernel("layernorm", {"p": name, "dim": norm.dim, "eps": norm.eps, "bias": norm.bias})
+        return Op("layernorm", name, (x,), (y,), params, {"mean": mean, "rstd": rstd},
+                  instances=tuple(instances)), y
+
     def residual(self, name: str, x: str, body_out: str) -> tuple[Op, str]:
         out = self.storage(f"{name}_out", self.values[x].shape)
         width = self.features(x)
@@ -291,6 +307,10 @@ class Lowering:
                 op, x = self.rmsnorm(name, layer, x, f"{prefix}.weight")
                 ops.append(op)
                 chain.append(gain(layer.dim))
+            elif isinstance(layer, LayerNorm):
+                op, x = self.layernorm(name, layer, x, f"{prefix}.weight")
+                ops.append(op)
+                chain.append(gain(layer.dim))
             elif isinstance(layer, Attention):
                 new_ops, x = self.attention(name, layer, x, n_layers, prefix)
                 ops += new_ops
@@ -323,6 +343,10 @@ class Lowering:
                 chain.append(dense(layer.in_features, layer.out_features))
             elif isinstance(layer, RMSNorm):
                 op, x = self.rmsnorm(name, layer, x, f"{name}.weight")
+                ops.append(op)
+                chain.append(gain(layer.dim))
+            elif isinstance(layer, LayerNorm):
+                op, x = self.layernorm(name, layer, x, f"{name}.weight")
                 ops.append(op)
                 chain.append(gain(layer.dim))
             elif isinstance(layer, (ReLU, GELU, SiLU)):

@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 
 from pyml.errors import PymlError
+from pyml.package.cpu.loss import IGNORED_TARGET
 from pyml.package.cpu.rope import rope_tables
-from pyml.runtime.safetensors_io import read_safetensors, write_safetensors
+from pyml.formats.safetensors_io import read_safetensors, write_safetensors
 
-IGNORED_TARGET = -100  # a target the loss skips, as torch's cross_entropy does
 
 
 def available_memory() -> int:

@@ -25,7 +25,7 @@ the padding past a layer's own width is never read.
     Q6               Q6_K low nibbles, in/2     2-bit highs    scale per 16              -
     DENSE            -                          -              -                         float32, in
 
-(pyml/runtime/gguf_quantized.py describes the layouts; "-" is an array of width 0; "f16": float16
+(pyml/formats/gguf_quantized.py describes the layouts; "-" is an array of width 0; "f16": float16
 values in pairs in the float32 array's bytes, quantized_dot.py says where.) Q8_0's int8
 values travel as their bytes: q8_row_dot loads them as signed 8-bit integers whatever the array's
 dtype says. The row dot products are pyml/package/quantized_dot.py's, so a quantized linear map

@@ -65,7 +65,7 @@ def linear_row_kernel(dtype):
 
 
 def device_weight(weight: tuple) -> tuple:
-    """A step weight tuple (pyml.runtime.quantized_decoding.weight_tuple) on the device, less the
+    """A step weight tuple (pyml.generate.quantized.weight_tuple) on the device, less the
     room for an int8-rounded input, which only the CPU's kinds use."""
     kinds, packed, high, scale, offset, dense = weight[:6]
     unknown = sorted({int(kind) for kind in kinds} - set(CUDA_KINDS))

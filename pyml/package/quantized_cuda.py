@@ -1,5 +1,5 @@
 """The CUDA device functions that read one weight of a matrix kept quantized (the arrays of
-pyml/runtime/gguf_quantized.py), for the CUDA decode step's linear map (decode_cuda.py).
+pyml/formats/gguf_quantized.py), for the CUDA decode step's linear map (decode_cuda.py).
 
 Each returns W[row, k] as gguf dequantizes it, q * scale + offset in float32, so the kernels that
 multiply by it compute Lean law linear_input_adjoint's forward, matVec W v, on the block

@@ -16,7 +16,7 @@ float32, 16 lanes per partial sum and 4 partial sums, reduced at the end of the 
 integers (scale 1, offset 0) the result is exactly the exact model's dot product, and on real
 weights it is gguf's dequantization times x up to float32 summation order.
 
-Layouts (what pyml/runtime/gguf_quantized.py keeps: the GGUF's packed bytes, the scales decoded):
+Layouts (what pyml/formats/gguf_quantized.py keeps: the GGUF's packed bytes, the scales decoded):
   q4: 4-bit values in runs of `run` bytes (Q4_0 and Q4_1: 16, Q4_K: 32). A run holds 2 * run
       values: its low nibbles the first run of them, its high nibbles the next. A scale and an
       offset per 32 values.
@@ -270,7 +270,7 @@ def q6_row_dot(typingctx, low, high, scale, x, row, sample):
 # same lanes come from generic vector IR. Both give the same integers, and everything after is the
 # same float32 arithmetic, so the two paths give the same results bit for bit.
 #
-# The weights are repacked for it (pyml/runtime/quantized_decoding.py's `rows_by_16`), as
+# The weights are repacked for it (pyml/generate/quantized.py's `rows_by_16`), as
 # llama.cpp's CPU "extra buffer types" repack them: 16 output rows in the 16 lanes, so that one
 # vpdpbusd multiplies 4 consecutive weights of each of 16 rows by the same 4 activations (broadcast
 # to every lane), the block scales of 16 rows are one vector, and no lane is ever summed across.

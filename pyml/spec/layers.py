@@ -64,6 +64,17 @@ class RMSNorm(Strict):
     unit_offset: bool = False
 
 
+class LayerNorm(Strict):
+    """y = (x - mean(x)) / sqrt(var(x) + eps) * w + b over each row's features, as
+    torch.nn.LayerNorm (the variance is the biased one); `bias = false` leaves b out."""
+
+    kind: Literal["layernorm"] = "layernorm"
+    name: Identifier | None = None
+    dim: PositiveInt
+    eps: PositiveFloat = 1e-5
+    bias: bool = True
+
+
 class ReLU(Strict):
     kind: Literal["relu"] = "relu"
     name: Identifier | None = None
@@ -260,16 +271,16 @@ class SoftmaxCrossEntropy(Strict):
 
 
 SequentialLayer = Annotated[
-    Union[Linear, RMSNorm, ReLU, GELU, SiLU, Residual],
+    Union[Linear, RMSNorm, LayerNorm, ReLU, GELU, SiLU, Residual],
     Field(discriminator="kind"),
 ]
 BlockLayer = Annotated[
-    Union[RMSNorm, Attention, MLP, BlockResidual],
+    Union[RMSNorm, LayerNorm, Attention, MLP, BlockResidual],
     Field(discriminator="kind"),
 ]
 Residual.model_rebuild()
 BlockResidual.model_rebuild()
 DecoderBlock.model_rebuild()
 
-SEQUENTIAL_LAYER_KINDS = ("linear", "rmsnorm", "relu", "gelu", "silu", "residual")
-BLOCK_LAYER_KINDS = ("rmsnorm", "attention", "mlp", "residual")
+SEQUENTIAL_LAYER_KINDS = ("linear", "rmsnorm", "layernorm", "relu", "gelu", "silu", "residual")
+BLOCK_LAYER_KINDS = ("rmsnorm", "layernorm", "attention", "mlp", "residual")

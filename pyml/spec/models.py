@@ -21,6 +21,7 @@ from pyml.spec.layers import (
     DecoderBlock,
     Embedding,
     Identifier,
+    LayerNorm,
     Linear,
     LMHead,
     LoRA,
@@ -58,7 +59,7 @@ def sequential_node(layer, place: str) -> Node:
     name = layer_name(layer, place)
     if isinstance(layer, Linear):
         return Node(name, layer.in_features, layer.out_features)
-    if isinstance(layer, RMSNorm):
+    if isinstance(layer, (RMSNorm, LayerNorm)):
         return Node(name, layer.dim, layer.dim)
     if isinstance(layer, Residual):
         body = tuple(sequential_node(inner, f"{name}.body[{i}]") for i, inner in enumerate(layer.body))
@@ -110,7 +111,7 @@ class BlockItem:
 
     label: str
     name: str
-    layer: RMSNorm | Attention | MLP | BlockResidual
+    layer: RMSNorm | LayerNorm | Attention | MLP | BlockResidual
     body: tuple[BlockItem, ...] = ()
 
 

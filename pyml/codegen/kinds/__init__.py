@@ -13,6 +13,7 @@ from pyml.codegen.kinds import (
     geglu,
     gelu,
     head_rmsnorm,
+    layernorm,
     linear,
     loss,
     relu,
@@ -26,7 +27,7 @@ from pyml.codegen.kinds.base import Kind
 
 KINDS: dict[str, Kind] = {kind.name: kind for kind in (
     linear.KIND, frozen_linear.KIND, embedding.KIND, attention.KIND, rope.KIND, rmsnorm.KIND,
-    rmsnorm.FUSED, head_rmsnorm.KIND, swiglu.KIND, geglu.KIND, relu.KIND, gelu.KIND, silu.KIND,
+    rmsnorm.FUSED, head_rmsnorm.KIND, layernorm.KIND, swiglu.KIND, geglu.KIND, relu.KIND, gelu.KIND, silu.KIND,
     residual.KIND, loss.KIND,
 )}
 

@@ -34,6 +34,14 @@ from pyml.package.cpu.embedding import (
 )
 from pyml.package.cpu.glu import geglu_backward, geglu_forward, swiglu_backward, swiglu_forward
 from pyml.package.cpu.head_rmsnorm import head_rmsnorm_backward, head_rmsnorm_forward
+from pyml.package.cpu.layernorm import (
+    layernorm_backward,
+    layernorm_backward_add,
+    layernorm_forward,
+    layernorm_unbiased_backward,
+    layernorm_unbiased_backward_add,
+    layernorm_unbiased_forward,
+)
 from pyml.package.cpu.linear import (
     linear_backward,
     linear_bias_backward,
@@ -58,6 +66,12 @@ from pyml.package.vector_math import (
 )
 
 __all__ = [
+    "layernorm_backward",
+    "layernorm_backward_add",
+    "layernorm_forward",
+    "layernorm_unbiased_backward",
+    "layernorm_unbiased_backward_add",
+    "layernorm_unbiased_forward",
     "clear_outside_window",
     "window_start",
     "adamw_grad_norm",

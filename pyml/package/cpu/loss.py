@@ -9,7 +9,7 @@ from numba import njit, prange
 
 from pyml.package.vector_math import MAX_LANES, exp_vectorizable, max_value, sum_float64
 
-IGNORE_INDEX = -100
+IGNORED_TARGET = -100  # a target the loss skips, as torch's cross_entropy does
 # rows are summed in this many fixed chunks, then the chunks in order: deterministic for any
 # thread count
 CHUNKS = 64
@@ -24,7 +24,7 @@ def count_valid(targets, n_classes):
     # targets is (N,) int64
     n_valid = 0
     for n in range(targets.shape[0]):
-        if targets[n] != IGNORE_INDEX:
+        if targets[n] != IGNORED_TARGET:
             if targets[n] < 0 or targets[n] >= n_classes:
                 raise ValueError("target out of range of the classes (-100 ignores a row)")
             n_valid += 1
@@ -53,7 +53,7 @@ def loss_sum_kernel(logits, targets, exps, lanes, inv_n_valid, write_grad):
         for n in range(chunk * rows_per_chunk, min((chunk + 1) * rows_per_chunk, n_rows)):
             target = targets[n]
             x, d = logits[n], exps[n]
-            if target == IGNORE_INDEX:
+            if target == IGNORED_TARGET:
                 if write_grad:
                     d[:] = 0.0
                 continue

@@ -26,6 +26,14 @@ from pyml.package.cuda.activations import (
 from pyml.package.cuda.embedding import embedding_backward, embedding_forward
 from pyml.package.cuda.glu import geglu_backward, geglu_forward, swiglu_backward, swiglu_forward
 from pyml.package.cuda.head_rmsnorm import head_rmsnorm_backward, head_rmsnorm_forward
+from pyml.package.cuda.layernorm import (
+    layernorm_backward,
+    layernorm_backward_add,
+    layernorm_forward,
+    layernorm_unbiased_backward,
+    layernorm_unbiased_backward_add,
+    layernorm_unbiased_forward,
+)
 from pyml.package.cuda.linear import (
     linear_backward,
     linear_bias_backward,
@@ -42,6 +50,12 @@ from pyml.package.cuda.rmsnorm import (
 from pyml.package.cuda.rope import rope_backward, rope_forward
 
 __all__ = [
+    "layernorm_backward",
+    "layernorm_backward_add",
+    "layernorm_forward",
+    "layernorm_unbiased_backward",
+    "layernorm_unbiased_backward_add",
+    "layernorm_unbiased_forward",
     "window_start",
     "adamw_grad_norm",
     "adamw_scale",

@@ -8,7 +8,8 @@ import math
 import numpy as np
 from numba import cuda
 
-IGNORE_INDEX = -100
+from pyml.package.cpu.loss import IGNORED_TARGET
+
 THREADS = 256
 # per-row losses, one float64 device buffer per row count, allocated on first use
 ROW_LOSS = {}
@@ -21,7 +22,7 @@ def row_kernel(logits, targets, dlogits, inv_n_valid, write_grad, row_loss):
     tid = cuda.threadIdx.x
     n_classes = logits.shape[1]
     target = targets[n]
-    if target == IGNORE_INDEX:
+    if target == IGNORED_TARGET:
         if write_grad:
             for c in range(tid, n_classes, THREADS):
                 dlogits[n, c] = 0.0
@@ -69,9 +70,9 @@ def row_kernel(logits, targets, dlogits, inv_n_valid, write_grad, row_loss):
 def run(logits, targets, dlogits, write_grad):
     n_rows = logits.shape[0]
     host_targets = targets.copy_to_host()
-    if ((host_targets != IGNORE_INDEX) & ((host_targets < 0) | (host_targets >= logits.shape[1]))).any():
+    if ((host_targets != IGNORED_TARGET) & ((host_targets < 0) | (host_targets >= logits.shape[1]))).any():
         raise ValueError("target out of range of the classes (-100 ignores a row)")
-    n_valid = int(np.count_nonzero(host_targets != IGNORE_INDEX))
+    n_valid = int(np.count_nonzero(host_targets != IGNORED_TARGET))
     if n_rows not in ROW_LOSS:
         ROW_LOSS[n_rows] = cuda.device_array(n_rows, dtype=np.float64)
     row_loss = ROW_LOSS[n_rows]

@@ -3,7 +3,7 @@
 The model folder is what `pyml import-gguf` writes (model.safetensors, config.json, tokenizer.json,
 tokenizer_config.json, generation_config.json, spec.toml). Its spec.toml, unless a spec is given,
 picks the generated package (`pyml.packages.package_for`: generated into pyml's cache the first
-time); config.json must describe that spec (`pyml.runtime.hf_config`): a mismatch is reported by
+time); config.json must describe that spec (`pyml.formats.hf_config`): a mismatch is reported by
 field before any weight is read.
 """
 
@@ -21,11 +21,11 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from pyml.errors import PymlError
+from pyml.formats.model_folder import SPEC_FILE
 from pyml.packages import package_for
-from pyml.runtime.hf_config import config_mismatches
+from pyml.formats.hf_config import config_mismatches
 from pyml.spec import DecoderModel, load_spec
 
-SPEC_FILE = "spec.toml"  # the spec `pyml import-gguf` writes beside the weights
 
 
 @dataclass
@@ -84,7 +84,7 @@ def load_model(model_dir: Path, spec_path: Path | None = None, device: str = "cp
     package = package_for(spec_path)
     if adapter is None:
         return package.Model.from_safetensors(model_dir / "model.safetensors", device=device)
-    from pyml.runtime.lora import merged_tensors
+    from pyml.train.lora import merged_tensors
 
     model = package.Model(device=device)
     model.load_tensors(merged_tensors(model_dir, Path(adapter)), f"{model_dir} with {adapter}")
@@ -95,11 +95,11 @@ def load_decoder(model_dir: Path, spec_path: Path | None = None, device: str = "
                  weights: str = "as-stored", adapter: Path | None = None, activations: str = "f32"):
     """What `pyml generate` decodes with: the float32 model (`load_model`) for --weights f32, and
     for a folder that stores float32 only; otherwise a `QuantizedDecoder` on the weights asked for
-    (pyml/runtime/quantized_decoding.py says what each --weights and --activations means). With a
+    (pyml/generate/quantized.py says what each --weights and --activations means). With a
     LoRA `adapter` folded in, the folder's GGUF no longer holds the weights: as-stored is then
     float32."""
-    from pyml.runtime.gguf_import import SOURCE_GGUF
-    from pyml.runtime.quantized_decoding import QuantizedDecoder, check_weights
+    from pyml.formats.gguf_import import SOURCE_GGUF
+    from pyml.generate.quantized import QuantizedDecoder, check_weights
 
     check_weights(weights, activations)
     gguf_path = existing_folder(model_dir) / SOURCE_GGUF

@@ -2,7 +2,7 @@
 
 Every rank holds a replica of the model and draws the same deterministic order of global batches;
 rank r trains on rows [B r / N, B (r + 1) / N) of each, and the ranks' gradients are combined
-(`pyml.runtime.gradient_exchange`) before the optimizer step. A rank's gradient is the mean over
+(`pyml.train.gradient_exchange`) before the optimizer step. A rank's gradient is the mean over
 its own counted targets (a target of -100 is not counted), so rank r is weighted by its share of
 the batch's counted targets: the combined gradient and loss are one rank's mean over the whole
 batch. Only rank 0 writes checkpoints, the progress bar, the loss curve and logs; a checkpoint
@@ -19,7 +19,7 @@ once. A rank that sends nothing within the timeout is named by rank 0, which end
 only one rank sees outside a step (a checkpoint rank 0 cannot write) ends the job through
 MPI_Abort, after that rank prints one line naming itself. A rank that dies is reported by the MPI
 launcher, which ends the job. Checkpoints are written whole or not at all
-(`pyml.runtime.checkpoint`), so the last complete one survives all of these.
+(`pyml.train.checkpoint`), so the last complete one survives all of these.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from contextlib import ExitStack, contextmanager, redirect_stdout
 from pathlib import Path
 
 from pyml.errors import PymlError
+from pyml.package.base import IGNORED_TARGET
 
 # What launchers set to the number of ranks they started: MPICH's and Intel MPI's hydra, Open MPI,
 # MVAPICH, and Slurm's srun.
@@ -94,7 +95,7 @@ class SingleProcess:
         return package.train_step(model, optimizer, inputs, targets)
 
     def save_checkpoint(self, out: Path, model, optimizer, state: dict, model_files=None) -> Path:
-        from pyml.runtime.checkpoint import save_checkpoint
+        from pyml.train.checkpoint import save_checkpoint
 
         return save_checkpoint(out, model, optimizer, state, model_files)
 
@@ -127,7 +128,7 @@ class DataParallel:
             )
 
     def optimizer(self, package, model, **options):
-        from pyml.runtime.gradient_exchange import GradientExchange, ShardedAdamW
+        from pyml.train.gradient_exchange import GradientExchange, ShardedAdamW
 
         self.exchange = GradientExchange(self.world, model, self.shard_optimizer)
         if self.shard_optimizer:
@@ -139,7 +140,6 @@ class DataParallel:
         loss. Sets `stop.requested` when a stop signal reached any rank."""
         import numpy as np
 
-        from pyml.runtime.train import IGNORED_TARGET
 
         world, exchange, step = self.world, self.exchange, optimizer.step_count + 1
         world.context = f"at step {step}"
@@ -178,7 +178,7 @@ class DataParallel:
     def save_checkpoint(self, out: Path, model, optimizer, state: dict, model_files=None) -> Path:
         """Rank 0 writes the checkpoint (a sharded optimizer's state gathered first, with every
         rank's help); every rank learns whether it was written."""
-        from pyml.runtime.checkpoint import checkpoint_name, save_checkpoint
+        from pyml.train.checkpoint import checkpoint_name, save_checkpoint
 
         world = self.world
         world.context = f"while saving the checkpoint of step {state['step']}"

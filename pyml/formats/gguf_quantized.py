@@ -1,7 +1,7 @@
 """GGUF weight matrices kept quantized, laid out for the decode step's linear maps.
 
 A GGUF stores a matrix row by row, each row as blocks that interleave float16 scales with packed
-integers (pyml/runtime/quant.py describes them). The kernels (pyml/package/quantized_dot.py) read
+integers (pyml/formats/quant.py describes them). The kernels (pyml/package/quantized_dot.py) read
 one weight row as a few contiguous arrays instead: the packed integers exactly as the file
 stores them, block after block, and the scales (and offsets) decoded to float32, one per block or
 sub-block. So a weight costs the same bits as in the file plus 4 bytes per scale (Q4_1: 24 bytes

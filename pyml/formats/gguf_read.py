@@ -24,7 +24,7 @@ import gguf
 import numpy as np
 
 from pyml.errors import PymlError
-from pyml.runtime.quant import BLOCK_LAYOUT, GGMLType, tensor_nbytes
+from pyml.formats.quant import BLOCK_LAYOUT, GGMLType, tensor_nbytes
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)

@@ -11,7 +11,7 @@ with the same weights copied to the GPU.
                in type within a layer, runs on float32 rows. A folder without
                source.gguf (a training checkpoint) stores float32: as-stored is then f32.
     q8_0, q4_0, q4_1  every linear weight quantized from the folder's float32 weights by llama.cpp's
-               reference quantizer (pyml.runtime.quantize).
+               reference quantizer (pyml.formats.quantize).
     f32        the float32 package's own decoding step, unchanged.
 
 `pyml generate --activations` picks what the quantized weights multiply:
@@ -52,9 +52,9 @@ from pyml.package.decode_cpu import (
     Q8_X8,
 )
 from pyml.package.quantized_dot import QDOT_GROUP_ROWS
-from pyml.runtime.gguf_quantized import quantized_matrix
-from pyml.runtime.quant import GGMLType, dequantize
-from pyml.runtime.quantize import quantize
+from pyml.formats.gguf_quantized import quantized_matrix
+from pyml.formats.quant import GGMLType, dequantize
+from pyml.formats.quantize import quantize
 
 WEIGHT_FORMATS = ("as-stored", "f32", "q8_0", "q4_0", "q4_1")
 ACTIVATION_FORMATS = ("f32", "q8_0")
@@ -228,8 +228,8 @@ def requantized_weights(model, linears, target: GGMLType) -> tuple[dict[str, tup
 def stored_weights(model, linears, gguf_path: Path) -> tuple[dict[str, tuple], dict[str, str]]:
     """Every linear weight as the GGUF stores it where one kept type covers all its parts and
     layers, else as float32 rows (the folder's weights, the same values); with each op's format."""
-    from pyml.runtime.gguf_architectures import architecture_of
-    from pyml.runtime.gguf_read import read_gguf
+    from pyml.formats.gguf_architectures import architecture_of
+    from pyml.formats.gguf_read import read_gguf
 
     gguf = read_gguf(gguf_path)
     architecture = architecture_of(gguf)
@@ -279,7 +279,7 @@ class FusedCache:
 
 class QuantizedDecoder:
     """A float32 model for the prompt and the decode step of its device on `weights` for each new
-    token; what `pyml.runtime.generate.generate` calls (start_decoding, decode) as on a package's
+    token; what `pyml.generate.decoding.generate` calls (start_decoding, decode) as on a package's
     Model."""
 
     def __init__(self, model, step: ModuleType, weights: dict[str, tuple], formats: dict[str, str]):

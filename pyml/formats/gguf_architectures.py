@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pyml.errors import PymlError
-from pyml.runtime.gguf_read import GGUFFile
+from pyml.formats.gguf_read import GGUFFile
 
 SUPPORTED = ("llama", "gemma3")
 

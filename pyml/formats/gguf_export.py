@@ -2,7 +2,7 @@
 transformers load.
 
 The folder is what `pyml import-gguf` writes and what every checkpoint of a run started from one
-holds (`pyml.runtime.model_folder`): a llama or gemma3 model. We write what llama.cpp's converter
+holds (`pyml.formats.model_folder`): a llama or gemma3 model. We write what llama.cpp's converter
 (convert_hf_to_gguf.py) writes for it, with the `gguf` package's writer:
 
 - the architecture's metadata from config.json, under the keys `gguf_architectures` reads;
@@ -38,13 +38,13 @@ import numpy as np
 from tqdm import tqdm
 
 from pyml.errors import PymlError
-from pyml.runtime.gguf_architectures import Llama, architecture_of
-from pyml.runtime.gguf_read import GGUFFile
-from pyml.runtime.model_folder import MODEL_FILE
-from pyml.runtime.quant import BLOCK_LAYOUT, GGMLType, tensor_nbytes
-from pyml.runtime.quantize import quantize
-from pyml.runtime.safetensors_io import NEW_FILE_MODE, read_safetensors
-from pyml.runtime.tokenizer import (
+from pyml.formats.gguf_architectures import Llama, architecture_of
+from pyml.formats.gguf_read import GGUFFile
+from pyml.formats.model_folder import MODEL_FILE
+from pyml.formats.quant import BLOCK_LAYOUT, GGMLType, tensor_nbytes
+from pyml.formats.quantize import quantize
+from pyml.formats.safetensors_io import NEW_FILE_MODE, read_safetensors
+from pyml.formats.tokenizer import (
     CONTROL_TOKEN,
     NORMAL_TOKEN,
     USER_DEFINED_TOKEN,
@@ -244,7 +244,7 @@ def _pre_tokenizer_name(path: Path, pre_tokenizer: dict | None) -> str:
     from tokenizers import Tokenizer
     from tokenizers.models import BPE
 
-    from pyml.runtime.tokenizer import _PRE_TOKENIZERS
+    from pyml.formats.tokenizer import _PRE_TOKENIZERS
 
     for name, candidate in _PRE_TOKENIZERS.items():
         probe = Tokenizer(BPE())

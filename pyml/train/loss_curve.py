@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pyml.errors import PymlError
-from pyml.runtime.safetensors_io import atomic_write
+from pyml.formats.safetensors_io import atomic_write
 
 # The smoothing window reaches this fraction of the run's steps to either side (at least one).
 SMOOTHING_REACH = 1 / 40

@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pyml.errors import PymlError
-from pyml.runtime.safetensors_io import atomic_write
+from pyml.formats.safetensors_io import atomic_write
 
 MODEL_FILE = "model.safetensors"
 SPEC_FILE = "spec.toml"

@@ -23,7 +23,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokeniz
 from tokenizers.models import BPE
 
 from pyml.errors import PymlError
-from pyml.runtime.gguf_read import GGUFFile
+from pyml.formats.gguf_read import GGUFFile
 
 # llama.cpp's token kinds (llama_token_type): control tokens like <|im_start|> are matched whole
 # and are "special" (skipped when decoding with skip_special_tokens); user-defined ones are

@@ -1,6 +1,6 @@
 """Training checkpoints: one folder per saved step, written whole or not at all.
 
-`out/step_000200/` is a model folder (`pyml.runtime.model_folder`: model.safetensors, spec.toml
+`out/step_000200/` is a model folder (`pyml.formats.model_folder`: model.safetensors, spec.toml
 and, for a model trained from an imported one, its config.json, tokenizer and chat template), so
 `pyml generate`, `pyml export-gguf` and transformers read it as they read an imported model.
 Beside those it holds optimizer.safetensors (AdamW's exp_avg and exp_avg_sq as flat 1-D tensors)
@@ -11,7 +11,7 @@ folder is complete; the latest is the one with the highest step. Older ones are 
 after a newer one is in place, so a crash never leaves a run without one.
 
 The checkpoint of a LoRA model (one with frozen base weights) is a `peft` adapter folder instead
-(`pyml.runtime.lora`: adapter_config.json, adapter_model.safetensors, the tokenizer) beside the
+(`pyml.train.lora`: adapter_config.json, adapter_model.safetensors, the tokenizer) beside the
 same optimizer.safetensors, which then holds the adapters' AdamW state, and state.json.
 """
 
@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from pyml.errors import PymlError
-from pyml.runtime.lora import ADAPTER_MODEL_FILE, read_adapter_tensors, write_adapter_folder
-from pyml.runtime.model_folder import MODEL_FILE, write_model_folder
-from pyml.runtime.safetensors_io import atomic_write, read_safetensors, write_safetensors
+from pyml.train.lora import ADAPTER_MODEL_FILE, read_adapter_tensors, write_adapter_folder
+from pyml.formats.model_folder import MODEL_FILE, write_model_folder
+from pyml.formats.safetensors_io import atomic_write, read_safetensors, write_safetensors
 
 CHECKPOINT_PREFIX = "step_"
 OPTIMIZER_FILE = "optimizer.safetensors"

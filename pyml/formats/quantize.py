@@ -1,4 +1,4 @@
-"""Encoding float32 tensors as GGML types: the inverse of `pyml.runtime.quant`'s decoders.
+"""Encoding float32 tensors as GGML types: the inverse of `pyml.formats.quant`'s decoders.
 
 Each row is cut into blocks of 32 values, and each block is stored as its float16 scale (and, for
 Q4_1, its float16 minimum) and small integers, as `quant` describes. The arithmetic follows
@@ -15,7 +15,7 @@ nearest float16 (ties to even), F32 keeps it.
 
 import numpy as np
 
-from pyml.runtime.quant import BLOCK_LAYOUT, GGMLType
+from pyml.formats.quant import BLOCK_LAYOUT, GGMLType
 
 # The types `pyml export-gguf --type` writes.
 ENCODABLE = (GGMLType.F32, GGMLType.F16, GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1)

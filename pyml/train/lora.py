@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from pyml.errors import PymlError
-from pyml.runtime.model_folder import DESCRIPTION_FILES, MODEL_FILE, SPEC_FILE, weights_file
-from pyml.runtime.safetensors_io import atomic_write, read_safetensors, write_safetensors
+from pyml.formats.model_folder import DESCRIPTION_FILES, MODEL_FILE, SPEC_FILE, weights_file
+from pyml.formats.safetensors_io import atomic_write, read_safetensors, write_safetensors
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_MODEL_FILE = "adapter_model.safetensors"

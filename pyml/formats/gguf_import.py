@@ -17,19 +17,19 @@ import numpy as np
 from tqdm import tqdm
 
 from pyml.errors import PymlError
-from pyml.runtime.gguf_architectures import Llama, architecture_of
-from pyml.runtime.gguf_read import GGUFFile, read_gguf
-from pyml.runtime.quant import dequantize
-from pyml.runtime.safetensors_io import atomic_write, write_safetensors
-from pyml.runtime.spec_toml import spec_toml
-from pyml.runtime.tokenizer import (
+from pyml.formats.gguf_architectures import Llama, architecture_of
+from pyml.formats.gguf_read import GGUFFile, read_gguf
+from pyml.formats.model_folder import SPEC_FILE
+from pyml.formats.quant import dequantize
+from pyml.formats.safetensors_io import atomic_write, write_safetensors
+from pyml.formats.spec_toml import spec_toml
+from pyml.formats.tokenizer import (
     build_tokenizer,
     chat_template,
     special_token_id,
     tokenizer_config,
 )
 
-SPEC_FILE = "spec.toml"
 SOURCE_GGUF = "source.gguf"  # the copy of the GGUF, whose quantized tensors `pyml generate` runs
 
 

@@ -1,0 +1,68 @@
+"""What a training run was asked to do: `TrainingConfig`, its defaults by model form, and its
+checks; saved in every checkpoint's state.json, so a resume can compare."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import math
+
+from pyml.errors import PymlError
+
+# Options that fix what a run computes: a resume must use the values the checkpoint was made with.
+FIXED_ON_RESUME = ("batch", "seq", "lr", "weight_decay", "max_grad_norm", "seed", "dtype")
+# Defaults that differ by model form: a 135M decoder fine-tunes with small batches and a small
+# learning rate; the digits MLP learns from scratch with larger ones.
+FORM_DEFAULTS = {
+    "decoder": {"batch": 2, "seq": 128, "lr": 1e-4},
+    "sequential": {"batch": 64, "seq": None, "lr": 1e-3},
+}
+COMMON_DEFAULTS = {
+    "steps": 200,
+    "weight_decay": 0.01,
+    "max_grad_norm": 1.0,
+    "eval_every": 50,
+    "eval_batches": 4,
+    "checkpoint_every": 100,
+    "seed": 0,
+    "dtype": "float32",
+    "device": "cpu",
+}
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """Everything a run was asked to do; saved in every checkpoint's state.json."""
+
+    spec: str  # the spec's name
+    steps: int  # the step to stop at (counted from the start of the run, across resumes)
+    batch: int
+    seq: int | None  # tokens per sequence (decoders only)
+    lr: float
+    weight_decay: float
+    max_grad_norm: float  # 0 turns gradient clipping off
+    eval_every: int
+    eval_batches: int  # held-out batches per evaluation (decoders; the MLP uses all held-out data)
+    checkpoint_every: int
+    seed: int
+    dtype: str
+    device: str
+    init: str | None = None
+    data: str | None = None
+    lora: dict | None = None  # the [lora] table --lora-rank added to the spec: rank, alpha, targets
+    base_weights: str | None = None  # a LoRA run's base_weights_digest of its --init folder
+
+
+def check_config(config: TrainingConfig) -> None:
+    for name in ("steps", "batch", "eval_every", "eval_batches", "checkpoint_every"):
+        if getattr(config, name) < 1:
+            raise PymlError(f"--{name.replace('_', '-')} must be at least 1")
+    if config.seq is not None and config.seq < 1:
+        raise PymlError("--seq must be at least 1")
+    if not (config.lr > 0 and math.isfinite(config.lr)):
+        raise PymlError(f"--lr must be a positive number, got {config.lr}")
+    if config.weight_decay < 0 or config.max_grad_norm < 0:
+        raise PymlError("--weight-decay and --max-grad-norm must not be negative")
+    if config.dtype not in ("float32", "float64"):
+        raise PymlError(f"--dtype must be float32 or float64, got {config.dtype}")
+
+

@@ -1,0 +1,214 @@
+"""The training loop (`run_training`): steps, evaluations, checkpoints, the loss curve, Ctrl-C,
+and a resume that continues bit-identically. The tests drive it directly with their own data;
+`pyml.train.run.train` builds the data and the model from the command's options first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+from tqdm import tqdm
+
+from pyml.errors import PymlError
+from pyml.train.config import TrainingConfig
+from pyml.train.evaluation import describe_evaluation, evaluate
+from pyml.train.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+)
+from pyml.train.data import (
+    Batches,
+    fingerprint,
+)
+from pyml.train.distributed import SingleProcess
+from pyml.train.loss_curve import write_loss_curve
+
+LOSS_CURVE_FILE = "loss.png"
+
+
+@dataclass
+class TrainingResult:
+    step: int
+    train_losses: list[float]  # train_losses[i] is the loss of step i + 1
+    evaluations: list[dict]  # {"step", "loss", and "accuracy" for classifiers}
+    checkpoint: Path | None
+    interrupted: bool
+
+
+def run_training(
+    package: ModuleType,
+    model,
+    train_pairs: tuple[np.ndarray, np.ndarray],
+    held_out_pairs: tuple[np.ndarray, np.ndarray],
+    config: TrainingConfig,
+    out: Path,
+    resume: bool = False,
+    progress: bool = True,
+    group=None,
+    model_files: dict[str, bytes] | None = None,
+) -> TrainingResult:
+    """Train `model` (a `package.Model`) on (inputs, targets) rows until step `config.steps`,
+    evaluating (first before step 1, the baseline), checkpointing into `out` and writing
+    `out/loss.png` as the config says. With `resume`, first restore `out`'s latest checkpoint into
+    the model, the optimizer and the data order. Ctrl-C stops after the step in flight and saves
+    it; a non-finite loss raises PymlError and keeps the last checkpoint. `group` (default: one
+    process) splits each batch across ranks; only its root writes files and shows progress. Each
+    checkpoint is a model folder holding `model_files` (`model_folder.folder_files`) beside the
+    weights."""
+    out = Path(out)
+    group = group or SingleProcess()
+    group.check_batch(config.batch)
+    optimizer = group.optimizer(
+        package,
+        model,
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+        max_grad_norm=config.max_grad_norm or None,
+    )
+    batches = Batches(train_pairs, config.batch, config.seed)
+    data_fingerprint = fingerprint(*train_pairs, *held_out_pairs)
+    checkpoint = latest_checkpoint(out)
+    if resume:
+        if checkpoint is None:
+            raise PymlError(f"{out}: no checkpoint to resume from; run without --resume to start")
+        state = load_checkpoint(checkpoint, model, optimizer)
+        if state["data_fingerprint"] != data_fingerprint:
+            raise PymlError(
+                f"{checkpoint}: the training data differ from the data this run started on "
+                "(another --data, --init tokenizer or Python version?); resume on the same data"
+            )
+        batches.load_state(state["data"])
+        step, train_losses, evaluations = state["step"], state["train_losses"], state["evaluations"]
+    else:
+        if checkpoint is not None:
+            raise PymlError(
+                f"{out} already holds a checkpoint ({checkpoint.name}): pass --resume to continue "
+                "that run, or choose another --out"
+            )
+        step, train_losses, evaluations = 0, [], []
+
+    def save() -> Path:
+        state = {
+            "step": step,
+            "spec": config.spec,
+            "config": dataclasses.asdict(config),
+            "data": batches.state(),
+            "data_fingerprint": data_fingerprint,
+            "train_losses": train_losses,
+            "evaluations": evaluations,
+        }
+        saved = group.save_checkpoint(out, model, optimizer, state, model_files)
+        if group.is_root:
+            write_loss_curve(out / LOSS_CURVE_FILE, train_losses, evaluations, config)
+        return saved
+
+    examples_per_step = config.batch * (config.seq or 1)
+    unit = "tok/s" if config.seq else "examples/s"
+    # The first step of a run also compiles the kernels and allocates the buffers: the rate
+    # shown leaves it out once there are others.
+    seconds_timed, steps_timed, first_step_of_run = 0.0, 0, step + 1
+    with (
+        tqdm(total=config.steps, initial=step, disable=not (progress and group.is_root),
+             unit="step") as bar,
+        stop_requested_by_ctrl_c(bar, group.stop_signals) as stop,
+    ):
+        if step == 0 and group.is_root:
+            baseline = {"step": 0, **evaluate(model, held_out_pairs, config)}
+            evaluations.append(baseline)
+            bar.write(describe_evaluation(baseline))
+        while step < config.steps:
+            inputs, targets = batches.next_batch()
+            started = time.perf_counter()
+            try:
+                loss = group.train_step(package, model, optimizer, inputs, targets, stop)
+            except PymlError as error:
+                if group.is_root:
+                    write_loss_curve(out / LOSS_CURVE_FILE, train_losses, evaluations, config)
+                # the same class: an error every rank agreed on stays one (GroupError)
+                raise type(error)(
+                    f"training stopped at step {step + 1}: {error}; {last_good(checkpoint)}"
+                ) from None
+            seconds = time.perf_counter() - started
+            step += 1
+            train_losses.append(loss)
+            if step == first_step_of_run:
+                rate = examples_per_step / seconds
+            else:
+                seconds_timed, steps_timed = seconds_timed + seconds, steps_timed + 1
+                rate = examples_per_step * steps_timed / seconds_timed
+            bar.set_postfix_str(f"loss {loss:.4f}, {rate:,.0f} {unit}", refresh=False)
+            bar.update()
+            if stop.requested:
+                checkpoint = save()
+                return TrainingResult(step, train_losses, evaluations, checkpoint, True)
+            if group.is_root and (step % config.eval_every == 0 or step == config.steps):
+                evaluation = {"step": step, **evaluate(model, held_out_pairs, config)}
+                evaluations.append(evaluation)
+                bar.write(describe_evaluation(evaluation))
+            if step % config.checkpoint_every == 0 or step == config.steps:
+                checkpoint = save()
+    return TrainingResult(step, train_losses, evaluations, checkpoint, False)
+
+
+def last_good(checkpoint: Path | None) -> str:
+    if checkpoint is None:
+        return "no checkpoint was written yet; lower --lr or --max-grad-norm and start again"
+    return (
+        f"the last good checkpoint, {checkpoint}, is kept; lower --lr or --max-grad-norm "
+        "and continue from it with --resume"
+    )
+
+
+class StopRequest:
+    requested = False
+
+
+@contextmanager
+def stop_requested_by_ctrl_c(bar: tqdm, signals=(signal.SIGINT,)):
+    """While inside, Ctrl-C (or another of `signals`: SIGTERM too, on a rank of a distributed run)
+    sets `.requested` instead of raising KeyboardInterrupt in the middle of a step (where the
+    weights may be half updated); the loop then saves the finished step and returns. A second one
+    aborts at once, keeping the last checkpoint."""
+    stop = StopRequest()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop  # signal handlers can only be installed from the main thread
+        return
+
+    def request_stop(signum, frame):
+        stop.requested = True
+        signal.signal(signum, previous[signum])
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        bar.write(f"{name}: saving a checkpoint after this step ({name} again to abort without it)")
+
+    previous = {signum: signal.signal(signum, request_stop) for signum in signals}
+    try:
+        yield stop
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def describe_result(result: TrainingResult, out: Path) -> str:
+    if result.interrupted:
+        head = f"stopped by Ctrl-C after step {result.step}"
+    else:
+        head = f"trained to step {result.step}"
+    if result.evaluations and not result.interrupted:
+        head += f"; {describe_evaluation(result.evaluations[-1]).split(': ', 1)[1]}"
+    lines = [head]
+    if result.checkpoint is not None:
+        lines.append(f"checkpoint: {result.checkpoint}")
+        lines.append(f"loss curve: {out / LOSS_CURVE_FILE}")
+    if result.interrupted:
+        lines.append("continue with the same command and --resume")
+    return "\n".join(lines)
+
+

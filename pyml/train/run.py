@@ -1,0 +1,255 @@
+"""`pyml train`: train a generated package on real data, with held-out loss, checkpoints, resume.
+
+Decoders train on next-token prediction over a text corpus (`pyml.train.data`), tokenised with
+the tokenizer of the `--init` model folder; sequential models train on scikit-learn's digits
+(`pyml.train.digits`). `train` resolves the options and builds the data and the model;
+`run_training` is the loop itself, which the tests drive directly with their own data.
+
+Resuming is bit-identical: a checkpoint holds the weights, the optimizer's moments and step count,
+and the data order's position and generator state, and nothing else in the loop is random.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+
+from pyml.errors import PymlError
+from pyml.train.config import (
+    COMMON_DEFAULTS,
+    FIXED_ON_RESUME,
+    FORM_DEFAULTS,
+    TrainingConfig,
+    check_config,
+)
+from pyml.train.loop import TrainingResult, describe_result, run_training
+from pyml.packages import package_for
+from pyml.train.checkpoint import (
+    latest_checkpoint,
+    read_state,
+)
+from pyml.train.data import (
+    DEFAULT_CORPUS_NAME,
+    encode_documents,
+    load_corpus,
+    next_token_pairs,
+    pack,
+    split_documents,
+    start_id,
+)
+from pyml.train.lora import (LORA_FLAGS, adapter_files, base_weights_digest, lora_settings,
+                               lora_spec)
+from pyml.formats.model_folder import folder_files, weights_file
+
+def train(
+    spec_path: Path | None,
+    init: Path | None = None,
+    data: Path | None = None,
+    steps: int | None = None,
+    batch: int | None = None,
+    seq: int | None = None,
+    out: Path = Path("runs/train"),
+    lr: float | None = None,
+    weight_decay: float | None = None,
+    eval_every: int | None = None,
+    checkpoint_every: int | None = None,
+    seed: int | None = None,
+    resume: bool = False,
+    max_grad_norm: float | None = None,
+    dtype: str | None = None,
+    device: str | None = None,
+    eval_batches: int | None = None,
+    progress: bool = True,
+    group=None,
+    lora_rank: int | None = None,
+    lora_alpha: float | None = None,
+    lora_targets: list[str] | None = None,
+) -> TrainingResult:
+    """Train the generated package of the spec at `spec_path` (default: the `init` folder's
+    spec.toml); options left as None take the checkpoint's values when resuming, else the
+    defaults above. Prints a summary at the end. `group` is this process's part in data-parallel
+    training (`pyml.train.distributed`). `lora_rank` (with `lora_alpha` and `lora_targets`)
+    trains LoRA adapters instead (see above)."""
+    from pyml.packages import spec_file
+    from pyml.spec import SequentialModel, load_spec
+
+    if spec_path is None:
+        if init is None or not Path(init).is_dir():
+            raise PymlError("give --spec, or --init with a model folder (its spec.toml is trained)")
+        spec_path = spec_file(Path(init))
+    spec = load_spec(spec_path)
+    form = "sequential" if isinstance(spec, SequentialModel) else "decoder"
+    given_lora = {"rank": lora_rank, "alpha": lora_alpha, "targets": lora_targets}
+    given = {
+        "steps": steps, "batch": batch, "seq": seq, "lr": lr, "weight_decay": weight_decay,
+        "max_grad_norm": max_grad_norm, "eval_every": eval_every, "eval_batches": eval_batches,
+        "checkpoint_every": checkpoint_every, "seed": seed, "dtype": dtype, "device": device,
+        "init": None if init is None else str(init), "data": None if data is None else str(data),
+    }  # fmt: skip
+    if resume:
+        checkpoint = latest_checkpoint(out)
+        if checkpoint is None:
+            raise PymlError(f"{out}: no checkpoint to resume from; run without --resume to start")
+        base = read_state(checkpoint)["config"]
+        for name in FIXED_ON_RESUME:
+            if given.get(name) is not None and given[name] != base[name]:
+                raise PymlError(
+                    f"--{name.replace('_', '-')} {given[name]} differs from the checkpoint's "
+                    f"{base[name]} ({checkpoint}); leave it out to resume, or start a new --out"
+                )
+        if base["spec"] != spec.name:
+            raise PymlError(
+                f"{checkpoint} was trained from spec '{base['spec']}', not '{spec.name}'"
+            )
+        check_lora_on_resume(given_lora, base.get("lora"), checkpoint)
+        lora = base.get("lora")
+    else:
+        base = {**COMMON_DEFAULTS, **FORM_DEFAULTS[form], "spec": spec.name}
+        lora = new_lora(given_lora, form)
+    values = {**base, **{name: value for name, value in given.items() if value is not None},
+              "lora": lora}
+    if lora is not None and values.get("init") is not None:
+        digest = base_weights_digest(Path(values["init"]))
+        if resume and base.get("base_weights") not in (None, digest):
+            raise PymlError(f"{weights_file(Path(values['init']))} holds other weights than "
+                            f"the base {checkpoint}'s adapters were trained on; resume with that "
+                            "base as --init, or start a new --out")
+        values["base_weights"] = digest
+    config = TrainingConfig(
+        **{field.name: values.get(field.name) for field in dataclasses.fields(TrainingConfig)}
+    )
+    check_config(config)
+    if config.lora is None:
+        package = package_for(spec_path)
+    else:
+        spec, package = lora_spec(spec_path, config.lora)
+    if form == "sequential":
+        train_pairs, held_out_pairs = digits_pairs(config, package)
+    else:
+        train_pairs, held_out_pairs = text_pairs(config, package)
+    dtype_and_device = {"dtype": np.dtype(config.dtype), "device": config.device}
+    lora_table = spec.lora if form == "decoder" else None  # the spec's own, or the flags'
+    if lora_table is not None:
+        # a resume then loads the checkpoint's adapters over the freshly initialised ones
+        model = package.Model.from_base(Path(config.init), seed=config.seed, **dtype_and_device)
+        model_files = adapter_files(lora_table, Path(config.init))
+    else:
+        if resume or config.init is not None:
+            model = package.Model(**dtype_and_device)
+            if not resume:  # a resume loads the checkpoint's weights instead
+                model.load_tensors(*init_weights(Path(config.init)))
+        else:
+            model = package.Model.initialized(seed=config.seed, **dtype_and_device)
+        model_files = folder_files(spec_path, None if config.init is None else Path(config.init))
+    result = run_training(
+        package, model, train_pairs, held_out_pairs, config, Path(out), resume, progress, group,
+        model_files,
+    )
+    print(describe_result(result, Path(out)))
+    return result
+
+
+def new_lora(given: dict, form: str) -> dict | None:
+    """The [lora] table a new run adds to its spec: None without --lora-rank."""
+    if given["rank"] is None:
+        if given["alpha"] is not None or given["targets"] is not None:
+            raise PymlError("--lora-alpha and --lora-targets need --lora-rank")
+        return None
+    if form != "decoder":
+        raise PymlError("--lora-rank adapts a decoder's projections; this spec is a sequential model")
+    return lora_settings(given["rank"], given["alpha"], given["targets"])
+
+
+def check_lora_on_resume(given: dict, recorded: dict | None, checkpoint: Path) -> None:
+    """Refuse LoRA flags that differ from what the checkpoint's run trained."""
+    for name, value in given.items():
+        if value is None:
+            continue
+        if recorded is None:
+            raise PymlError(f"{LORA_FLAGS[name]}: {checkpoint} is not a LoRA run (it was trained "
+                            "without --lora-rank); leave it out to resume, or start a new --out")
+        if value != recorded[name]:
+            shown = ",".join(value) if name == "targets" else value
+            theirs = ",".join(recorded[name]) if name == "targets" else recorded[name]
+            raise PymlError(f"{LORA_FLAGS[name]} {shown} differs from the checkpoint's {theirs} "
+                            f"({checkpoint}); leave it out to resume, or start a new --out")
+
+
+def init_weights(init: Path) -> tuple[dict[str, np.ndarray], str]:
+    """The tensors of `--init` (a model folder holding model.safetensors, or the file itself)."""
+    from pyml.formats.safetensors_io import read_safetensors
+
+    path = weights_file(init)
+    return read_safetensors(path), str(path)
+
+
+def digits_pairs(config: TrainingConfig, package: ModuleType):
+    """Train and held-out (images, labels) of the digits data set, checked against the spec."""
+    from pyml.train.digits import CLASSES, PIXELS, load_digits_split
+
+    if config.data is not None:
+        raise PymlError(
+            "sequential models train on scikit-learn's digits data set; leave out --data"
+        )
+    spec_model = package.model
+    if (spec_model.INPUT_DIM, spec_model.OUTPUT_DIM) != (PIXELS, CLASSES):
+        raise PymlError(
+            f"spec '{config.spec}' maps {spec_model.INPUT_DIM} inputs to {spec_model.OUTPUT_DIM} "
+            f"classes; the digits data set needs {PIXELS} inputs and {CLASSES} classes"
+        )
+    return load_digits_split(seed=config.seed)
+
+
+def text_pairs(config: TrainingConfig, package: ModuleType):
+    """Train and held-out (input ids, target ids) of the corpus, split by document, tokenised
+    with the `--init` folder's tokenizer, packed into sequences of `config.seq` tokens."""
+    from tokenizers import Tokenizer
+
+    spec_model = package.model
+    if config.init is None:
+        raise PymlError(
+            "decoders need --init: a model folder (from `pyml import-gguf`) whose tokenizer.json "
+            "tokenises the training text and whose model.safetensors holds the starting weights"
+        )
+    if config.seq > spec_model.MAX_SEQ_LEN:
+        raise PymlError(
+            f"--seq {config.seq} exceeds spec '{config.spec}''s max_seq_len {spec_model.MAX_SEQ_LEN}"
+        )
+    init = Path(config.init)
+    tokenizer_path, config_path = init / "tokenizer.json", init / "config.json"
+    for path in (tokenizer_path, config_path):
+        if not path.is_file():
+            raise PymlError(
+                f"{path}: missing; --init must be a model folder from `pyml import-gguf`"
+            )
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    if tokenizer.get_vocab_size() > spec_model.VOCAB:
+        raise PymlError(
+            f"{tokenizer_path} has {tokenizer.get_vocab_size()} tokens, more than spec "
+            f"'{config.spec}''s vocabulary of {spec_model.VOCAB}"
+        )
+    eos_id = json.loads(config_path.read_text(encoding="utf-8")).get("eos_token_id")
+    if not isinstance(eos_id, int):
+        raise PymlError(f"{config_path}: no integer eos_token_id to end each document with")
+
+    def encode_batch(texts: list[str]) -> list[list[int]]:
+        # framed as the tokenizer frames any text: Gemma's starts each document with <bos>
+        return [encoding.ids for encoding in tokenizer.encode_batch(texts)]
+
+    start = start_id(lambda text, special: tokenizer.encode(text, add_special_tokens=special).ids)
+    documents = load_corpus(None if config.data is None else Path(config.data))
+    train_documents, held_out_documents = split_documents(documents, seed=config.seed)
+    train_ids = encode_documents(train_documents, encode_batch, eos_id)
+    held_out_ids = encode_documents(held_out_documents, encode_batch, eos_id)
+    print(
+        f"data: {config.data or DEFAULT_CORPUS_NAME}: {len(train_documents)} train documents "
+        f"({len(train_ids):,} tokens), {len(held_out_documents)} held out "
+        f"({len(held_out_ids):,} tokens)"
+    )
+    return next_token_pairs(pack(train_ids, config.seq, start)), next_token_pairs(
+        pack(held_out_ids, config.seq, start)
+    )
