@@ -234,7 +234,7 @@ def run_pytest(targets: list[str], env: dict, timeout: float, extra=()) -> tuple
 
 
 def file_times() -> dict[str, float]:
-    """Seconds each test file took in the unmutated run (JUnit classnames are `tests.test_x`, with
+    """Seconds each test file took in the unmutated run (JUnit classnames are `tests.area.test_x`, with
     a class name after it for tests in a class)."""
     times: dict[str, float] = {}
     if BASELINE_TIMES.exists():
@@ -249,7 +249,7 @@ def file_times() -> dict[str, float]:
 
 def suite_order(mutant: Mutant, times: dict[str, float]) -> list[str]:
     """Every test file, the mutant's own first, then the rest fastest first."""
-    files = sorted(str(path.relative_to(TREE)) for path in (TREE / "tests").glob("test_*.py"))
+    files = sorted(str(path.relative_to(TREE)) for path in (TREE / "tests").rglob("test_*.py"))
     hinted = [name for name in dict.fromkeys(test.split("::")[0] for test in mutant.tests)
               if name in files]
     rest = sorted((name for name in files if name not in hinted), key=lambda name: times.get(name, 0.0))

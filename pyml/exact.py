@@ -2,7 +2,7 @@
 
 Python ints, vectors as lists, an `m x n` matrix as a list of `m` rows. Each function is named
 after its Lean definition (snake_case where the Lean name is camelCase; the comment names it).
-The laws are tested on these in `tests/test_exact_laws.py`: that catches a law stated wrongly,
+The laws are tested on these in `tests/proofs/test_exact_laws.py`: that catches a law stated wrongly,
 while `lake build` catches a proof that is wrong. Dims are at least 1 (the tests draw 1..5), so
 a matrix's column count is the length of its first row. (`i=i` in a lambda binds the loop index.)
 """

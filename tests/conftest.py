@@ -15,7 +15,9 @@ import tempfile
 # sessions on this machine as Numba's cache does, and not into the user's ~/.cache/pyml.
 os.environ.setdefault("PYML_CACHE", os.path.join(tempfile.gettempdir(), "pyml-test-cache"))
 
+# isort: off
 import pyml  # noqa: E402, F401  (first of pyml's and numpy's: see above)
+# isort: on
 
 import importlib  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -30,17 +32,17 @@ SPECS = ROOT / "specs"
 
 def pytest_collection_modifyitems(config, items):
     """The CUDA simulator's runs start now, in the background, and the tests that report them go
-    last (tests/cuda_simulator.py says why)."""
-    import cuda_simulator
+    last (tests/support/cuda_simulator.py says why)."""
+    from tests.support import cuda_simulator
 
-    reporting = [item for item in items if item.module.__name__ == "test_cuda_sim"]
+    reporting = [item for item in items if item.path.name == "test_cuda_sim.py"]
     if reporting:
         items[:] = [item for item in items if item not in reporting] + reporting
         cuda_simulator.start([item.callspec.params["cases"] for item in reporting])
 
 
 def pytest_sessionfinish(session, exitstatus):
-    import cuda_simulator
+    from tests.support import cuda_simulator
 
     if cuda_simulator.runs is not None:
         cuda_simulator.runs.stop()
@@ -49,7 +51,7 @@ def pytest_sessionfinish(session, exitstatus):
 @pytest.fixture(scope="session")
 def tiny_folders(tmp_path_factory) -> dict[str, Path]:
     """{"llama": folder, "gemma3": folder}: tiny imported models of both families."""
-    from model_folders import tiny_folder
+    from tests.support.model_folders import tiny_folder
 
     root = tmp_path_factory.mktemp("tiny")
     return {architecture: tiny_folder(root, architecture) for architecture in ("llama", "gemma3")}
@@ -79,28 +81,77 @@ def gemma3_dir(tmp_path_factory) -> Path:
     return shipped_folder(tmp_path_factory, "gemma3_gguf", "gemma3-270m")
 
 
-@pytest.fixture(scope="session")
-def smollm2_reference():
-    """transformers' model and tokenizer of the shipped SmolLM2 GGUF, loaded by its own GGUF
-    reader (the independent reference), in eval mode; shared, so no test may change it."""
+def shipped_gguf(module: str) -> Path:
+    return importlib.import_module(f"pyml.formats.{module}").shipped_gguf_path()
+
+
+def gguf_tokenizer(module: str):
+    """transformers' tokenizer of the shipped GGUF of `pyml.formats.<module>`, read by its own GGUF
+    reader (the independent reference)."""
+    from transformers import AutoTokenizer
+
+    gguf = shipped_gguf(module)
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def gguf_model(module: str):
+    """transformers' model of the shipped GGUF of `pyml.formats.<module>`, in eval mode; shared, so
+    no test may change it."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    from pyml.formats.smollm2_gguf import shipped_gguf_path
+    gguf = shipped_gguf(module)
+    return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
 
-    gguf = shipped_gguf_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
-    return model.eval(), AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+# the folder first: it skips where the GGUF's package is missing
+@pytest.fixture(scope="session")
+def smollm2_reference_tokenizer(smollm2_folder):
+    return gguf_tokenizer("smollm2_gguf")
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_reference_tokenizer):
+    """(transformers' model, its tokenizer) of the shipped SmolLM2 GGUF."""
+    return gguf_model("smollm2_gguf"), smollm2_reference_tokenizer
+
+
+@pytest.fixture(scope="session")
+def gemma3_reference_tokenizer(gemma3_dir):
+    return gguf_tokenizer("gemma3_gguf")
+
+
+@pytest.fixture(scope="session")
+def gemma3_reference(gemma3_reference_tokenizer):
+    """(transformers' model, its tokenizer) of the shipped Gemma 3 GGUF."""
+    return gguf_model("gemma3_gguf"), gemma3_reference_tokenizer
+
+
+@pytest.fixture(scope="module")
+def shipped_runs() -> dict:
+    return {}
+
+
+@pytest.fixture
+def shipped(request, shipped_runs):
+    """shipped(family): the family's tests/support/shipped.Shipped, kept for the module (our
+    models of the real ones take gigabytes: a module's are freed when it ends), its fixtures
+    resolved for the asking test."""
+    from tests.support.shipped import Shipped
+
+    def get(family: str) -> Shipped:
+        run = shipped_runs.setdefault(family, Shipped(family))
+        run.fixtures = request.getfixturevalue
+        return run
+
+    return get
 
 
 def one_step_checkpoint(tmp_path_factory, spec: str, init: Path) -> Path:
     """The checkpoint of one training step (a batch of one 32-token sequence) from `init`, on a
     few lines of text (tokenising the default corpus would take longer than the step)."""
-    from model_folders import tiny_text
-
     from pyml.train.run import train
+    from tests.support.model_folders import tiny_text
 
     folder = tmp_path_factory.mktemp(f"{spec}_run")
     result = train(

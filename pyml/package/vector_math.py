@@ -8,7 +8,7 @@ step (2 cores, AVX-512): the SwiGLU forward over (256, 1536) went from 1.06 ms w
 
 exp for float32 is Cephes' expf: x = n ln2 + r with ln2 in two parts (exact n * C1), a degree-7
 polynomial for exp(r), and 2^n built from the exponent bits. It is within 1 ulp of the float64 exp
-on [-87, 88] (tests/test_vector_math.py); the argument is clamped to that range first, so results
+on [-87, 88] (tests/kernels/test_vector_math.py); the argument is clamped to that range first, so results
 below exp(-87) = 1.6e-38 read as 1.6e-38 (no sum here notices) and above exp(88) as exp(88). NaN
 passes through. Float64 arguments use libm's exp, so the float64 kernels keep full precision.
 

@@ -1,0 +1,106 @@
+"""Exact-model conformance of the CUDA kernels, under Numba's CUDA simulator.
+
+The same cases as tests/proofs/test_conformance.py (the logic is in tests/support/conformance_cases.py), with
+arrays moved to the (simulated) device and back. Not collected directly (the name does not start
+with test_): tests/cuda/test_cuda_sim.py runs this file in a child pytest process with
+NUMBA_ENABLE_CUDASIM=1, because the variable only takes effect if it is set before numba.cuda is
+first imported, and pytest imports every test module of a session before running any. Fewer
+seeds than on the CPU: the simulator runs each thread as a Python thread.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from numba import cuda  # noqa: E402
+
+from tests.support.conformance_cases import (  # noqa: E402
+    CONFIGS,
+    Target,
+    case_attention_backward,
+    case_attention_forward_one_token,
+    case_embedding,
+    case_frozen_linear,
+    case_linear,
+    case_relu_backward,
+    case_residual,
+    case_rope,
+)
+
+CUDA = Target("cuda", lambda a: cuda.to_device(a.copy()), lambda d: d.copy_to_host())
+SEEDS = range(5)
+
+
+def test_simulator_is_on():
+    """The cases below run on Numba's CUDA simulator (device arrays are the simulator's)."""
+    assert "simulator" in type(cuda.to_device(np.zeros(1))).__module__
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_frozen_linear_with_lora_adapters(seed):
+    """the frozen linear map with LoRA adapters, as tests/proofs/test_conformance.py on the CPU."""
+    case_frozen_linear(CUDA, seed)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear(seed, bias):
+    """linear forward == matMul X (transpose W) (+ vecAdd b per row); dX == matMul G W (Lean law
+    linear_weight_adjoint_input), dW == matMul (transpose G) X (linear_weight_adjoint_weight),
+    db == matMul (transpose 1) G (matmul_adjoint_right for the bias term 1 bᵀ)."""
+    case_linear(CUDA, seed, bias)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("scaled", [False, True])
+def test_embedding(config, seed, scaled):
+    """embedding forward == gather E ids; backward == scatterAdd G ids, accumulating (Lean law
+    embedding_adjoint); scaled by an integer s, forward == hadamard (s 1) (gather E ids), backward
+    == scatterAdd (hadamard (s 1) G) ids (hadamard_adjoint and embedding_adjoint, composed)."""
+    case_embedding(CUDA, config, seed, scaled)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_relu_backward(seed):
+    """relu backward == hadamard dy (relu' x) per row (Lean law hadamard_adjoint)."""
+    case_relu_backward(CUDA, seed)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_residual(seed):
+    """residual forward == vecAdd x r; backward dx + dout == vecAdd dx dout (Lean law
+    residual_adjoint)."""
+    case_residual(CUDA, seed)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("config", CONFIGS)
+def test_rope(config, seed):
+    """rope forward == rotate c s x1 x2 with integer tables; backward == rotateT c s g1 g2 (Lean
+    law rotation_adjoint)."""
+    case_rope(CUDA, config, seed)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("window", [0, 2, 3])
+def test_attention_backward(config, seed, window):
+    """attention backward with causal att of dyadic probabilities (multiples of 1/8): dP ==
+    matMul G (transpose V) and dQ == scale matMul dS K (Lean law matmul_adjoint_left); dV ==
+    Σ_group matMul (transpose P) G and dK == Σ_group scale matMul (transpose dS) Q
+    (matmul_adjoint_right); dS = hadamard P (dP - rowsum), the softmax backward, exact here. With a
+    sliding window (2, 3), P is zero outside it and the backward is given the window."""
+    case_attention_backward(CUDA, config, seed, window)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("config", CONFIGS)
+def test_attention_forward_one_token(config, seed):
+    """attention forward and decode with one token: P == [[1]], O == matMul P V_g (Lean
+    definition matMul)."""
+    case_attention_forward_one_token(CUDA, config, seed)

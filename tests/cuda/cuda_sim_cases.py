@@ -1,0 +1,278 @@
+"""CUDA kernels under Numba's CUDA simulator, against the CPU kernels, in float64 and float32.
+
+float64: rtol 1e-12, atol 1e-14. float32 (the models' default dtype): the tolerances in TOL, a few
+float32 ulps, since the two targets round differently (the CPU sums in float64 or through BLAS and
+uses a float32 polynomial exp; the simulator evaluates each kernel's Python with NumPy scalars).
+
+Not collected directly (the name does not start with test_): tests/cuda/test_cuda_sim.py runs
+this file in a child pytest process with NUMBA_ENABLE_CUDASIM=1, because the variable only takes
+effect if it is set before numba.cuda is first imported, and pytest imports every test module of a
+session before running any.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+
+import numba  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from numba import cuda  # noqa: E402
+
+from tests.support.kernel_harness import (  # noqa: E402
+    ATTENTION_SCALES,
+    DIMS,
+    EMBEDDING_SCALES,
+    all_blocks,
+    load,
+)
+
+D, HIDDEN, V = DIMS["dim"], DIMS["hidden"], DIMS["vocab"]
+H, KV, HD, C = DIMS["n_heads"], DIMS["n_kv_heads"], DIMS["head_dim"], DIMS["classes"]
+MAX_SEQ = 32
+DTYPES = [np.float64, np.float32]
+TOL = {
+    np.float64: dict(rtol=1e-12, atol=1e-14),
+    # inputs of order 1-10, outputs summing up to 40 products: a few ulps of float32 (6e-8)
+    np.float32: dict(rtol=2e-6, atol=2e-6),
+}
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    return load("cpu", all_blocks("cpu"))
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    module = load("cuda", all_blocks("cuda"))
+    # what runs is the simulator: numba read the variable when numba.cuda was first imported, and
+    # the kernels are the simulator's (on a real device they would be numba's CUDA dispatchers)
+    assert numba.config.ENABLE_CUDASIM == 1
+    from pyml.package.cuda import rmsnorm
+
+    assert type(rmsnorm.forward_kernel).__module__ == "numba.cuda.simulator.kernel"
+    return module
+
+
+def run_both(cpu_fn, gpu_fn, *arrays, scalars=()):
+    """Call both kernels on copies of `arrays` (+ scalars); return (cpu arrays, gpu arrays, results)."""
+    host = [a.copy() for a in arrays]
+    dev = [cuda.to_device(a.copy()) for a in arrays]
+    r_cpu = cpu_fn(*host, *scalars)
+    r_gpu = gpu_fn(*dev, *scalars)
+    return host, [d.copy_to_host() for d in dev], (r_cpu, r_gpu)
+
+
+def same(host, dev):
+    for a, b in zip(host, dev, strict=True):
+        if np.issubdtype(a.dtype, np.integer):  # token ids and targets, passed through
+            np.testing.assert_array_equal(b, a)
+        else:
+            np.testing.assert_allclose(b, a, **TOL[a.dtype.type])
+
+
+def rand(rng, dtype, *shape):
+    return rng.standard_normal(shape).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear(cpu, gpu, dtype, bias):
+    rng = np.random.default_rng(0)
+    n = 5
+    x, w, b = rand(rng, dtype, n, D), rand(rng, dtype, HIDDEN, D), rand(rng, dtype, HIDDEN)
+    dy = rand(rng, dtype, n, HIDDEN)
+    y, dx, dw, db = (np.zeros(a.shape, dtype) for a in (dy, x, w, b))
+    if bias:
+        same(*run_both(cpu.fc_bias_forward, gpu.fc_bias_forward, x, w, b, y)[:2])
+        same(*run_both(cpu.fc_bias_backward, gpu.fc_bias_backward, x, w, dy, dx, dw, db)[:2])
+    else:
+        same(*run_both(cpu.fc_forward, gpu.fc_forward, x, w, y)[:2])
+        same(*run_both(cpu.fc_backward, gpu.fc_backward, x, w, dy, dx, dw)[:2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("prefix", EMBEDDING_SCALES)  # no scale, and sqrt(dim)
+def test_embedding(cpu, gpu, dtype, prefix):
+    forward = [getattr(m, f"{prefix}_forward") for m in (cpu, gpu)]
+    backward = [getattr(m, f"{prefix}_backward") for m in (cpu, gpu)]
+    rng = np.random.default_rng(1)
+    ids = np.array([3, 0, 3, 7, 3], np.int64)
+    table, dout, dtable = rand(rng, dtype, V, D), rand(rng, dtype, 5, D), rand(rng, dtype, V, D)
+    same(*run_both(*forward, ids, table, np.zeros((5, D), dtype))[:2])
+    same(*run_both(*backward, ids, dout, dtable)[:2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("prefix", ["norm", "norm_offset"])  # gain w, gain 1 + w
+def test_rmsnorm(cpu, gpu, dtype, prefix):
+    def both(name):
+        return [getattr(m, f"{prefix}_{name}") for m in (cpu, gpu)]
+
+    rng = np.random.default_rng(2)
+    x, w, dy = rand(rng, dtype, 3, D), rand(rng, dtype, D), rand(rng, dtype, 3, D)
+    host, dev, _ = run_both(*both("forward"), x, w, np.zeros((3, D), dtype), np.zeros(3, dtype))
+    same(host, dev)
+    rstd = host[3]
+    grads = np.zeros((3, D), dtype), np.zeros(D, dtype)
+    same(*run_both(*both("backward"), x, w, rstd, dy, *grads)[:2])
+    stream, r = rand(rng, dtype, 3, D), rand(rng, dtype, 3, D)
+    same(*run_both(*both("backward_add"), x, w, rstd, dy, stream, np.zeros(D, dtype))[:2])
+    outputs = np.zeros((3, D), dtype), w, np.zeros((3, D), dtype), np.zeros(3, dtype)
+    same(*run_both(*both("forward_residual"), x, r, *outputs)[:2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layernorm(cpu, gpu, dtype):
+    def both(name):
+        return [getattr(m, f"layer_norm_{name}") for m in (cpu, gpu)]
+
+    rng = np.random.default_rng(5)
+    x, w, b, dy = rand(rng, dtype, 3, D), rand(rng, dtype, D), rand(rng, dtype, D), rand(rng, dtype, 3, D)
+    stats = np.zeros(3, dtype), np.zeros(3, dtype)
+    host, dev, _ = run_both(*both("forward"), x, w, b, np.zeros((3, D), dtype), *stats)
+    same(host, dev)
+    mean, rstd = host[4], host[5]
+    grads = np.zeros((3, D), dtype), np.zeros(D, dtype), np.zeros(D, dtype)
+    same(*run_both(*both("backward"), x, w, mean, rstd, dy, *grads)[:2])
+    stream = rand(rng, dtype, 3, D)
+    same(*run_both(*both("backward_add"), x, w, mean, rstd, dy, stream, *grads[1:])[:2])
+
+
+def head_views(buffer, view):
+    # view 0: the q heads, 1: the k heads of a fused (N, (H + 2 KV) * head_dim) buffer (host or device)
+    heads = buffer.reshape(buffer.shape[0], H + 2 * KV, HD)
+    return heads[:, :H] if view == 0 else heads[:, H : H + KV]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("prefix", "view"), [("q_norm", 0), ("k_norm", 1)])
+def test_head_rmsnorm(cpu, gpu, dtype, prefix, view):
+    # on strided views of fused buffers, on both targets; the backward in place over dy
+    rng = np.random.default_rng(9)
+    n, width = 3, (H + 2 * KV) * HD
+    heads = H if view == 0 else KV
+    qkv, dqkv, w = rand(rng, dtype, n, width), rand(rng, dtype, n, width), rand(rng, dtype, HD)
+    results = []
+    for module, to_device in ((cpu, np.copy), (gpu, cuda.to_device)):
+        x_buffer, y_buffer, dy_buffer = (to_device(a) for a in (qkv, np.zeros_like(qkv), dqkv))
+        rstd, dw = to_device(np.zeros((n, heads), dtype)), to_device(np.zeros(HD, dtype))
+        x, y, dy = (head_views(a, view) for a in (x_buffer, y_buffer, dy_buffer))
+        getattr(module, f"{prefix}_forward")(x, w, y, rstd)
+        getattr(module, f"{prefix}_backward")(x, w, rstd, dy, dy, dw)
+        results.append([np.asarray(a) if module is cpu else a.copy_to_host()
+                        for a in (y_buffer, rstd, dy_buffer, dw)])
+    same(*results)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope(cpu, gpu, dtype):
+    rng = np.random.default_rng(3)
+    cos, sin = np.zeros((MAX_SEQ, HD // 2), dtype), np.zeros((MAX_SEQ, HD // 2), dtype)
+    cpu.rope_tables(cos, sin)
+    x = rand(rng, dtype, 1, 3, H, HD)
+    same(*run_both(cpu.rope_forward, gpu.rope_forward, x, cos, sin, scalars=(5,))[:2])
+    same(*run_both(cpu.rope_backward, gpu.rope_backward, x, cos, sin)[:2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [0, 2, 5])  # global, shorter than T, longer than T
+@pytest.mark.parametrize("prefix", ATTENTION_SCALES)  # 1/sqrt(head_dim), another scale
+def test_attention(cpu, gpu, dtype, window, prefix):
+    def both(name):
+        return [getattr(m, f"{prefix}_{name}") for m in (cpu, gpu)]
+
+    rng = np.random.default_rng(4)
+    b, t = 1, 4
+    q = rand(rng, dtype, b, t, H, HD)
+    k, v = rand(rng, dtype, b, t, KV, HD), rand(rng, dtype, b, t, KV, HD)
+    dout = rand(rng, dtype, b, t, H * HD)
+    att, out = np.zeros((b, H, t, t), dtype), np.zeros((b, t, H * HD), dtype)
+    host, dev, _ = run_both(*both("forward"), q, k, v, att, out, scalars=(window,))
+    same(host, dev)
+    att = host[3]
+    grads = [np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)]
+    backward = run_both(*both("backward"), q, k, v, att, dout, *grads, scalars=(window,))
+    same(*backward[:2])
+    if window >= t:  # a window covering the sequence is global attention, bit for bit
+        _, forward_global, _ = run_both(*both("forward"), q, k, v, att, out, scalars=(0,))
+        _, backward_global, _ = run_both(*both("backward"), q, k, v, att, dout, *grads,
+                                         scalars=(0,))
+        for ours, glob in zip(dev + backward[1], forward_global + backward_global):
+            np.testing.assert_array_equal(ours, glob)
+    # decode over a cache whose slots hold the attended positions out of order (a ring buffer)
+    first = max(t - window, 0) if window > 0 else 0
+    order = np.roll(np.arange(first, t), 1)
+    cache_k, cache_v = np.zeros((b, 6, KV, HD), dtype), np.zeros((b, 6, KV, HD), dtype)
+    cache_k[:, : len(order)], cache_v[:, : len(order)] = k[:, order], v[:, order]
+    q_last, n_valid = np.ascontiguousarray(q[:, -1:]), len(order)
+    decode = [lambda q, kc, vc, out, f=f: f(q, kc, vc, n_valid, out) for f in both("decode")]
+    same(*run_both(*decode, q_last, cache_k, cache_v, np.zeros((b, 1, H * HD), dtype))[:2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["silu", "gelu", "relu"])
+def test_activation(cpu, gpu, dtype, kind):
+    rng = np.random.default_rng(5)
+    x, dy = rand(rng, dtype, 2, 3, 7) * 3, rand(rng, dtype, 2, 3, 7)
+    fwd = [getattr(m, f"{kind}_forward") for m in (cpu, gpu)]
+    bwd = [getattr(m, f"{kind}_backward") for m in (cpu, gpu)]
+    same(*run_both(*fwd, x, np.zeros_like(x))[:2])
+    same(*run_both(*bwd, x, dy, np.zeros_like(x))[:2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("prefix", ["mlp", "geglu"])  # SwiGLU, GeGLU
+def test_gated_mlp(cpu, gpu, dtype, prefix):
+    rng = np.random.default_rng(6)
+    g, u = rand(rng, dtype, 3, HIDDEN) * 3, rand(rng, dtype, 3, HIDDEN)
+    dh = rand(rng, dtype, 3, HIDDEN)
+    gate_up = np.concatenate([g, u], axis=1)
+    fwd = [getattr(m, f"{prefix}_forward") for m in (cpu, gpu)]
+    bwd = [getattr(m, f"{prefix}_backward") for m in (cpu, gpu)]
+    same(*run_both(*fwd, gate_up, np.zeros_like(g))[:2])
+    same(*run_both(*bwd, gate_up, dh, np.zeros_like(gate_up))[:2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_residual(cpu, gpu, dtype):
+    rng = np.random.default_rng(6)
+    x, r = rand(rng, dtype, 3, HIDDEN), rand(rng, dtype, 3, HIDDEN)
+    same(*run_both(cpu.residual_add, gpu.residual_add, x, r, np.zeros_like(x))[:2])
+    same(*run_both(cpu.add_into, gpu.add_into, r, x)[:2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("in_place", [False, True])
+def test_cross_entropy(cpu, gpu, dtype, in_place):
+    rng = np.random.default_rng(7)
+    logits = rand(rng, dtype, 4, C) * 3
+    targets = np.array([3, -100, 0, C - 1], np.int64)
+
+    def run(module, logits, targets, dlogits):
+        return module.ce_forward_backward(logits, targets, logits if in_place else dlogits)
+
+    host, dev, (loss_cpu, loss_gpu) = run_both(
+        lambda *a: run(cpu, *a), lambda *a: run(gpu, *a), logits, targets, np.zeros_like(logits)
+    )
+    same(host, dev)
+    np.testing.assert_allclose(loss_gpu, loss_cpu, **TOL[dtype])
+    _, _, (eval_cpu, eval_gpu) = run_both(cpu.ce_forward, gpu.ce_forward, logits, targets)
+    np.testing.assert_allclose(eval_gpu, eval_cpu, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_adamw(cpu, gpu, dtype):
+    rng = np.random.default_rng(8)
+    params, grads = rand(rng, dtype, 300), rand(rng, dtype, 300)
+    state = [params, grads, np.zeros(300, dtype), np.zeros(300, dtype)]
+    host, dev = [a.copy() for a in state], [cuda.to_device(a) for a in state]
+    for step in range(1, 4):
+        cpu.adamw_step(*host, 1e-2, 0.9, 0.95, 1e-8, 0.1, step)
+        gpu.adamw_step(*dev, 1e-2, 0.9, 0.95, 1e-8, 0.1, step)
+    same(host, [d.copy_to_host() for d in dev])
+    np.testing.assert_allclose(gpu.adamw_grad_norm(dev[1]), cpu.adamw_grad_norm(host[1]), **TOL[dtype])
+    same(*run_both(cpu.adamw_scale, gpu.adamw_scale, grads, scalars=(0.5,))[:2])

@@ -1,0 +1,51 @@
+"""The generator's fuzzing, on device="cuda" under Numba's CUDA simulator: random specs and the
+regression corpus, each generated package against the torch reference (loss, logits, every gradient
+and cached decoding, float64; the corpus also through the CUDA decode step, decode_cuda.py). Run
+by tests/cuda/test_cuda_sim.py in a process of its own; kept small, since the simulator runs each CUDA
+thread in Python."""
+
+import os
+
+os.environ["NUMBA_ENABLE_CUDASIM"] = "1"  # before numba.cuda is imported
+
+import tomllib  # noqa: E402
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, given, note, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from numba import config  # noqa: E402
+
+from tests.support.generator_fuzz import (  # noqa: E402
+    check_against_torch,
+    corpus_specs,
+    decoder_specs,
+    sequential_specs,
+    to_toml,
+)
+
+FUZZ = settings(max_examples=2, deadline=None,
+                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def test_the_simulator_is_what_runs():
+    assert config.ENABLE_CUDASIM == 1
+
+
+@FUZZ
+@given(decoder_specs(max_len=4), st.integers(1, 4), st.integers(0, 2**16))
+def test_random_decoders_on_cuda_match_torch(spec, T, seed):
+    note(f"spec:\n{to_toml(spec)}\nbatch 1x{T}, seed {seed}")
+    check_against_torch(spec, (1, T), seed, device="cuda")
+
+
+@FUZZ
+@given(sequential_specs(), st.integers(1, 3), st.integers(0, 2**16))
+def test_random_sequential_models_on_cuda_match_torch(spec, B, seed):
+    note(f"spec:\n{to_toml(spec)}\nbatch {B}, seed {seed}")
+    check_against_torch(spec, (B, 1), seed, device="cuda")
+
+
+@pytest.mark.parametrize("path", corpus_specs(), ids=lambda p: p.stem)
+def test_regression_corpus_on_cuda_matches_torch(path):
+    data = tomllib.loads(path.read_text())
+    check_against_torch(data, (1, min(data.get("max_seq_len", 4), 5)), seed=0, device="cuda", fused=True)

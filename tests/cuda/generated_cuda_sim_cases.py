@@ -1,0 +1,57 @@
+"""Generated models built on device="cuda" under Numba's CUDA simulator, against the same model on
+the CPU (float64): logits, loss, every gradient, a decoding step, a clipped AdamW step.
+
+Not collected directly (the name does not start with test_): tests/cuda/test_cuda_sim.py runs
+it in a child process with NUMBA_ENABLE_CUDASIM=1, which must be set before numba.cuda is first
+imported. The simulator runs every GPU thread in Python, so the batches are tiny. On a machine with
+a GPU, run this file directly without the variable to test the real device.
+"""
+
+import numpy as np
+import pytest
+
+from tests.support.project_packages import project_package
+
+llama = project_package("llama_tiny")
+mlp = project_package("mlp_digits")
+TOL = dict(rtol=1e-12, atol=1e-14)
+
+
+def pair(package):
+    """The same seeded float64 model on the CUDA device and on the CPU."""
+    return (package.Model.initialized(seed=2, dtype=np.float64, device="cuda"),
+            package.Model.initialized(seed=2, dtype=np.float64))
+
+
+def host(model, array):
+    return model.device.to_host(array)
+
+
+def test_llama_tiny_logits_loss_gradients_and_decoding():
+    gpu, cpu = pair(llama)
+    rng = np.random.default_rng(0)
+    ids, targets = rng.integers(0, llama.model.VOCAB, (2, 3)), rng.integers(0, llama.model.VOCAB, (2, 3))
+    targets[1, 0] = -100  # an ignored position
+    np.testing.assert_allclose(gpu.forward(ids), cpu.forward(ids), **TOL)
+    assert gpu.loss_and_grads(ids, targets) == pytest.approx(cpu.loss_and_grads(ids, targets), rel=1e-12)
+    np.testing.assert_allclose(host(gpu, gpu.grads.flat), cpu.grads.flat, **TOL)
+
+    gpu_cache, gpu_logits = gpu.start_decoding(ids[:, :2], 3)
+    cpu_cache, cpu_logits = cpu.start_decoding(ids[:, :2], 3)
+    np.testing.assert_allclose(gpu_logits, cpu_logits, **TOL)
+    np.testing.assert_allclose(gpu.decode(gpu_cache, ids[:, 2]), cpu.decode(cpu_cache, ids[:, 2]), **TOL)
+
+
+def test_mlp_digits_logits_loss_gradients_and_a_clipped_step():
+    gpu, cpu = pair(mlp)
+    rng = np.random.default_rng(0)
+    inputs, targets = rng.standard_normal((3, mlp.model.INPUT_DIM)), np.array([0, 4, 9])
+    np.testing.assert_allclose(gpu.forward(inputs), cpu.forward(inputs), **TOL)
+    assert gpu.loss_and_grads(inputs, targets) == pytest.approx(cpu.loss_and_grads(inputs, targets), rel=1e-12)
+    np.testing.assert_allclose(host(gpu, gpu.grads.flat), cpu.grads.flat, **TOL)
+
+    norm = float(np.linalg.norm(cpu.grads.flat))
+    settings = dict(lr=1e-2, weight_decay=0.1, max_grad_norm=norm / 2)  # the step clips
+    mlp.AdamW(gpu, **settings).step()
+    mlp.AdamW(cpu, **settings).step()
+    np.testing.assert_allclose(host(gpu, gpu.params.flat), cpu.params.flat, **TOL)

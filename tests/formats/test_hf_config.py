@@ -1,0 +1,69 @@
+"""Whether a Hugging Face config describes a spec (`pyml.formats.hf_config`), with configs as
+transformers itself writes them: a LlamaConfig and a Gemma3TextConfig saved by transformers 5 keep
+their RoPE bases in `rope_parameters`, where import-gguf writes `rope_theta` (and Gemma's
+`rope_local_base_freq`); both forms describe the same spec."""
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoConfig, LlamaConfig
+
+from pyml.formats.hf_config import config_mismatches
+from pyml.spec import load_spec, parse_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+LLAMA_TINY = load_spec(ROOT / "specs" / "llama_tiny.toml")
+THETA = LLAMA_TINY.block.attention.rope.theta
+
+
+def llama_tiny_config(**changes) -> dict:
+    """transformers' LlamaConfig of specs/llama_tiny.toml, as save_pretrained writes it."""
+    fields = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=THETA,
+                  tie_word_embeddings=True)
+    return LlamaConfig(**(fields | changes)).to_dict()
+
+
+def test_transformers_llama_config_describes_the_llama_spec():
+    assert "rope_parameters" in llama_tiny_config()
+    assert config_mismatches(LLAMA_TINY, llama_tiny_config()) == []
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"num_key_value_heads": 4}, "num_key_value_heads is 4 in config.json but 2 in the spec"),
+    ({"rope_theta": 1234.0}, f"rope_theta is 1234.0 in config.json but {THETA!r} in the spec"),
+    ({"hidden_act": "gelu"}, "hidden_act is 'gelu' in config.json but 'silu' in the spec"),
+    ({"tie_word_embeddings": False}, "tie_word_embeddings is False in config.json but True"),
+])
+def test_a_llama_config_that_differs_is_named_by_field(changes, message):
+    assert config_mismatches(LLAMA_TINY, llama_tiny_config(**changes)) == [message + (
+        "" if message.endswith("spec") else " in the spec")]
+
+
+def test_transformers_gemma_config_describes_the_gemma_spec(gemma3_dir):
+    saved = AutoConfig.from_pretrained(gemma3_dir).to_dict()  # the imported folder, as transformers keeps it
+    assert "rope_local_base_freq" not in saved or saved["rope_local_base_freq"] is None
+    assert config_mismatches(load_spec(ROOT / "specs" / "gemma3_270m.toml"), saved) == []
+
+
+def llama_spec(**attention) -> dict:
+    return {
+        "name": "odd", "form": "decoder", "max_seq_len": 16,
+        "embedding": {"vocab_size": 11, "dim": 8},
+        "block": {"count": 1, "attn_norm": {"dim": 8}, "mlp_norm": {"dim": 8}, "mlp": {"dim": 8, "hidden": 16},
+                  "attention": {"dim": 8, "n_heads": 2, "n_kv_heads": 1, "head_dim": 4,
+                                "rope": {"theta": 10000.0}} | attention},
+        "final_norm": {"dim": 8}, "lm_head": {"dim": 8, "vocab_size": 11, "tied": True},
+    }
+
+
+def test_what_no_config_can_describe_is_named():
+    qk_norm = parse_spec(llama_spec(qk_norm={"eps": 1e-5}), "odd.toml")
+    assert config_mismatches(qk_norm, {"model_type": "llama"}) == [
+        "config.json cannot describe the spec's QK-norm"]
+    data = llama_spec()
+    norm = {"kind": "rmsnorm", "dim": 8}
+    data["block"] = {"count": 1, "layers": [norm, {"kind": "residual", "body": [norm]}]}
+    assert config_mismatches(parse_spec(data, "odd.toml"), {"model_type": "llama"}) == [
+        "model_type is 'llama' in config.json but the spec is neither Llama nor Gemma 3"]

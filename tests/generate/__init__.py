@@ -1,0 +1,2 @@
+"""Generation: decoding with a KV cache, on float32 and quantized weights, sampling, `pyml
+generate`."""

@@ -1,0 +1,289 @@
+"""The generated fused decode step (gen/<name>/decode_cpu.py) and its linear maps.
+
+- `linear_row`, the step's linear map, equals the exact model's matVec (pyml/exact.py) bit for bit
+  in every format it runs, and on layers of two formats in one stack, on small integers where
+  float32 arithmetic is exact (tests/support/quantized_cases.py says why); on int8 activations too
+  (--activations q8_0), with integers up to 127 that the rounding keeps exactly.
+- The rounding of activations to int8 equals gguf's Q8_0 quantizer (llama.cpp's reference), and
+  the int8-activation products on real weights equal gguf's dequantized weights times the rounded
+  activations; the VNNI instruction and the generic vector code give the same bits.
+- The whole step on llama_tiny with weights quantized to Q8_0, Q4_0 or Q4_1 gives, position after
+  position, the logits of a float64 numpy forward over the whole sequence on the same (dequantized)
+  weights, within float32 rounding.
+The real models through it (their greedy tokens equal to transformers') are in
+test_shipped_generation.py.
+"""
+
+import numba
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as GGML
+
+from pyml import exact
+from pyml.errors import PymlError
+from pyml.formats.gguf_quantized import quantized_matrix
+from pyml.formats.quant import GGMLType
+from pyml.generate.quantized import (
+    STEP_KINDS,
+    QuantizedDecoder,
+    check_weights,
+    kept_arrays,
+    weight_tuple,
+    with_int8_activations,
+)
+from pyml.package import quantized_dot
+from pyml.package.decode_cpu import linear_row
+from tests.support.llama_tiny_reference import reference_logits
+from tests.support.project_packages import project_package
+from tests.support.quantized_cases import (
+    STEP_TYPES,
+    case_step_exact,
+    case_step_float64_rows,
+    case_step_two_kinds_in_one_stack,
+    exact_weights,
+    gguf_weights,
+    step_layer,
+    step_weight,
+)
+
+tiny = project_package("llama_tiny").model
+
+
+def run_cpu_step(weight, layer, x):
+    y = np.full((1, weight[1].shape[1]), np.nan, x.dtype)
+    linear_row(weight, layer, x, y)
+    return y
+
+
+@pytest.mark.parametrize("ggml", [*STEP_TYPES, None], ids=[t.name for t in STEP_TYPES] + ["dense"])
+def test_linear_row_equals_the_exact_mat_vec(ggml):
+    case_step_exact(run_cpu_step, ggml)
+
+
+def test_linear_row_runs_float64_rows():
+    """A float64 model's step compiles every kind's branch for float64 x and y, the int8 ones
+    included, and runs its dense rows exactly."""
+    case_step_float64_rows(run_cpu_step)
+
+
+def test_layers_of_two_kinds_share_one_stack():
+    case_step_two_kinds_in_one_stack(run_cpu_step)
+
+
+INT8_TYPES = (GGML.Q8_0, GGML.Q4_0, GGML.Q4_1)  # the formats --activations q8_0 runs
+
+
+def int8_step_weight(raw, ggml, rows, columns, int8_activations):
+    weight = step_weight(raw, ggml, rows, columns)
+    return with_int8_activations(weight) if int8_activations else weight
+
+
+def exact_int8_input(rng, columns):
+    """Integers in [-127, 127], each block of 32 holding a +-127: rounding to int8 keeps them
+    (scale 127 / 127 = 1)."""
+    x = rng.integers(-127, 128, (1, columns))
+    x[0, ::32] = rng.choice([-127, 127], columns // 32)
+    return x
+
+
+# 37 rows: two whole groups of 16 rows and a last one of 5
+@pytest.mark.parametrize("blocks", [1, 2, 3, 7])
+@pytest.mark.parametrize("ggml", INT8_TYPES, ids=[t.name for t in INT8_TYPES])
+def test_int8_activation_rows_equal_the_exact_mat_vec(ggml, blocks):
+    rng = np.random.default_rng(blocks)
+    rows, columns = 37, 32 * blocks
+    raw, weights = exact_weights(ggml, rows, columns, rng)
+    weight = int8_step_weight(raw, ggml, rows, columns, int8_activations=True)
+    x = exact_int8_input(rng, columns)
+    written = np.full((1, rows + 16), np.nan, np.float32)  # y, and what follows it in memory
+    y = written[:, :rows]
+    linear_row(weight, 0, x.astype(np.float32), y)
+    assert np.isnan(written[0, rows:]).all()  # the last group of 16 rows wrote only its 5
+    assert weight[3].shape[2] == -(-blocks // 2)  # float16 scales: half as many float32 columns
+    assert np.array_equal(weight[6][0], x[0])  # the rounding kept the integers
+    expected = exact.mat_vec(weights.astype(np.int64).tolist(), x[0].tolist())
+    assert np.array_equal(y[0], np.array(expected, dtype=np.float64))
+
+
+def test_int8_layers_share_a_stack_with_float_activation_layers():
+    """A Q4_1 layer on int8 activations beside a Q4_K layer, which keeps float32 activations and
+    scales (Q4_K has no int8 kind): the stack stays float32-wide, the Q4_1 layer reads its float16
+    scales from the start of its rows, and both layers equal their exact matVec."""
+    rng = np.random.default_rng(12)
+    rows, columns = 37, 256
+    layers = [step_layer(ggml, rows, columns, rng) for ggml in (GGML.Q4_1, GGML.Q4_K)]
+    weight = with_int8_activations(weight_tuple([kind for kind, _, _ in layers],
+                                                [arrays for _, arrays, _ in layers], rows, columns))
+    assert weight[3].shape[2] == columns // 32
+    # int8-exact activations for the Q4_1 layer; small ones for Q4_K, whose products are larger
+    inputs = (exact_int8_input(rng, columns), rng.integers(-8, 9, (1, columns)))
+    for layer, ((_, _, weights), x) in enumerate(zip(layers, inputs)):
+        y = np.full((1, rows), np.nan, np.float32)
+        linear_row(weight, layer, x.astype(np.float32), y)
+        expected = exact.mat_vec(weights.astype(np.int64).tolist(), x[0].tolist())
+        assert np.array_equal(y[0], np.array(expected, dtype=np.float64))
+
+
+def test_a_scale_beyond_float16_is_refused_before_decoding():
+    """The int8 kinds read float16 scales; a block whose offset float16 cannot hold (a Q4_0 offset
+    is -8 times its scale) is refused, not rounded."""
+    raw, _ = exact_weights(GGML.Q4_0, 16, 64, np.random.default_rng(2))
+    arrays = kept_arrays(GGMLType.Q4_0, quantized_matrix(raw, GGML.Q4_0, (16, 64)).arrays)
+    arrays["offset"][3, 1] = np.float32(-8 * 60000.0)
+    with pytest.raises(PymlError, match="not a float16 value"):
+        with_int8_activations(weight_tuple([STEP_KINDS[GGMLType.Q4_0]], [arrays], 16, 64))
+
+
+def rounded(x):
+    """round_activations_q8 of x (1, in): (values, scale, total)."""
+    values = np.zeros(x.shape, np.int8)
+    scale, total = np.zeros((1, x.shape[1] // 32), np.float32), np.zeros((1, x.shape[1] // 32), np.int32)
+    quantized_dot.round_activations_q8(x, values, scale, total)
+    return values, scale, total
+
+
+def test_activations_round_as_gguf_quantizes_q8_0():
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(7)
+    x = rng.normal(0, 2, (1, 32 * 40)).astype(np.float32)
+    x[0, 64:96] = 0  # a block of zeros: scale 0, values 0
+    x[0, 96:128] = np.float32(0.5) * rng.integers(-9, 10, 32)  # ties at .5 of the scale's inverse
+    values, scale, total = rounded(x)
+    blocks = quantize(x, GGML.Q8_0).reshape(-1, 34)  # (float16 d, 32 int8) per block
+    assert np.array_equal(values[0], blocks[:, 2:].view(np.int8).reshape(-1))
+    assert np.array_equal(scale[0].astype(np.float16), blocks[:, :2].copy().view(np.float16)[:, 0])
+    assert np.array_equal(total[0], values[0].reshape(-1, 32).astype(np.int64).sum(1))
+    assert scale[0, 2] == 0 and not values[0, 64:96].any()
+
+
+def test_a_non_finite_activation_makes_its_block_nan():
+    x = np.ones((1, 96), np.float32)
+    x[0, 40], x[0, 70] = np.nan, np.inf
+    values, scale, total = rounded(x)
+    assert scale[0, 0] == np.float32(1 / 127) and np.isnan(scale[0, 1:]).all()
+    raw, _ = exact_weights(GGML.Q8_0, 2, 96, np.random.default_rng(0))
+    weight = int8_step_weight(raw, GGML.Q8_0, 2, 96, int8_activations=True)
+    y = np.zeros((1, 2), np.float32)
+    linear_row(weight, 0, x, y)
+    assert np.isnan(y).all()
+
+
+@pytest.mark.parametrize("ggml", INT8_TYPES, ids=[t.name for t in INT8_TYPES])
+def test_int8_activation_rows_on_real_weights(ggml):
+    """gguf's dequantization times the rounded activations, in float64, within the float32
+    summation bound; the float32-activation row is 100 times further from it (the rounding ran)."""
+    from tests.support.quantized_cases import UNIT, real_weights
+
+    rng = np.random.default_rng(11)
+    rows, columns = 40, 32 * 23  # two groups of 16 rows and a part
+    raw = real_weights(ggml, rows, columns, rng)
+    x = rng.normal(0, 1, (1, columns)).astype(np.float32)
+    values, scale, _ = rounded(x)
+    x_rounded = (values.astype(np.float64).reshape(-1, 32) * scale[0][:, None]).reshape(1, -1)
+    weights = gguf_weights(raw, ggml, rows, columns).astype(np.float64)
+    expected = x_rounded @ weights.T
+    errors = {}
+    for int8_activations in (True, False):
+        y = np.full((1, rows), np.nan, np.float32)
+        linear_row(int8_step_weight(raw, ggml, rows, columns, int8_activations), 0, x, y)
+        errors[int8_activations] = np.abs(y - expected)
+    assert (errors[True] <= columns * UNIT * (np.abs(x_rounded) @ np.abs(weights.T))).all()
+    assert errors[False].max() > 100 * errors[True].max()
+
+
+VECTOR_IR_CHOICE = """
+import numpy as np
+from pyml.package import quantized_dot
+from pyml.package.decode_cpu import linear_row
+from pyml.formats.gguf_quantized import quantized_matrix
+from pyml.formats.quant import GGMLType
+from pyml.formats.quantize import quantize
+from pyml.generate.quantized import STEP_KINDS, kept_arrays, weight_tuple, with_int8_activations
+rng = np.random.default_rng(5)
+rows, columns = 21, 32 * 7
+x = rng.normal(0, 1, (1, columns)).astype(np.float32)
+bits = []
+for ggml in (GGMLType.Q4_1, GGMLType.Q8_0):
+    raw = quantize(rng.normal(0, 0.05, (rows, columns)).astype(np.float32), ggml).reshape(-1)
+    arrays = kept_arrays(ggml, quantized_matrix(raw, int(ggml), (rows, columns)).arrays)
+    weight = with_int8_activations(weight_tuple([STEP_KINDS[ggml]], [arrays], rows, columns))
+    y = np.zeros((1, rows), np.float32)
+    linear_row(weight, 0, x, y)
+    bits.append(y.tobytes().hex())
+print(quantized_dot.QDOT_VNNI, *bits)
+"""
+
+
+def test_vnni_and_generic_vector_code_give_the_same_bits():
+    """The same products compiled for this CPU (VNNI where it has it) and for a generic x86-64."""
+    import os
+    import subprocess
+    import sys
+
+    if not quantized_dot.QDOT_VNNI:
+        pytest.skip("this CPU has no AVX-512 VNNI: the generic vector code is all that runs")
+    outputs = {}
+    for cpu in ("host", "x86-64"):
+        env = {key: value for key, value in os.environ.items() if not key.startswith("NUMBA_CPU")}
+        if cpu != "host":
+            env["NUMBA_CPU_NAME"] = cpu
+        result = subprocess.run([sys.executable, "-c", VECTOR_IR_CHOICE], env=env, capture_output=True,
+                                text=True, check=True)
+        outputs[cpu] = result.stdout.split()
+    assert outputs["host"][0] == "True" and outputs["x86-64"][0] == "False"
+    assert outputs["host"][1:] == outputs["x86-64"][1:]
+
+
+@pytest.mark.parametrize("weights", ["q8_0", "q4_0", "q4_1"])
+def test_fused_step_logits_equal_a_numpy_forward(weights):
+    rng = np.random.default_rng(0)
+    model = tiny.Model()
+    model.params.flat[:] = rng.normal(0, 0.3, model.params.flat.shape)
+    decoder = QuantizedDecoder.load(model, weights, gguf_path=None)  # the float32 weights now dequantized
+    ids = rng.integers(0, tiny.VOCAB, 12).tolist()
+    expected = reference_logits(model.params, ids)
+    cache, logits = decoder.start_decoding(np.array([ids[:5]]), len(ids))
+    scale = np.abs(expected).max()
+    threads = numba.get_num_threads()
+    for position in range(5, len(ids)):
+        logits = decoder.decode(cache, np.array([ids[position]]))
+        assert np.abs(logits[0] - expected[position]).max() < 1e-5 * scale
+    # the step runs its small ops on one of the pool's threads, and gives the count back
+    assert numba.get_num_threads() == threads
+
+
+@pytest.mark.parametrize("weights", ["q8_0", "q4_1"])
+def test_fused_step_on_int8_activations_stays_near_the_numpy_forward(weights):
+    """--activations q8_0 on llama_tiny: within the rounding's error of the float64 forward, and
+    not the float32-activation step's logits (the rounding ran on every op)."""
+    rng = np.random.default_rng(0)
+    model = tiny.Model()
+    model.params.flat[:] = rng.normal(0, 0.3, model.params.flat.shape)
+    float_decoder = QuantizedDecoder.load(model, weights, gguf_path=None)
+    int8_decoder = QuantizedDecoder.load(model, weights, gguf_path=None, activations="q8_0")
+    assert set(int8_decoder.formats.values()) == {f"{weights.upper()} x Q8_0 activations"}
+    ids = rng.integers(0, tiny.VOCAB, 12).tolist()
+    expected = reference_logits(model.params, ids)
+    scale = np.abs(expected).max()
+    caches = [decoder.start_decoding(np.array([ids[:5]]), len(ids))[0]
+              for decoder in (float_decoder, int8_decoder)]
+    for position in range(5, len(ids)):
+        float_logits, int8_logits = (decoder.decode(cache, np.array([ids[position]]))
+                                     for decoder, cache in zip((float_decoder, int8_decoder), caches))
+        assert np.abs(int8_logits[0] - expected[position]).max() < 3e-2 * scale
+        assert np.abs(int8_logits[0] - float_logits[0]).max() > 1e-5 * scale
+
+
+@pytest.mark.parametrize("weights, activations, message", [
+    ("q4_1", "q4", "--activations must be one of f32, q8_0, not 'q4'"),
+    ("f32", "q8_0", "--activations q8_0 rounds what quantized weights multiply: it needs --weights other than f32"),
+])
+def test_activations_the_step_cannot_run_are_refused_in_one_line(weights, activations, message):
+    with pytest.raises(PymlError, match=message):
+        check_weights(weights, activations)
+
+
+def test_weights_the_fused_step_does_not_know_are_refused_in_one_line():
+    with pytest.raises(PymlError, match="--weights must be one of as-stored, f32, q8_0, q4_0, q4_1, not 'Q4_1'"):
+        check_weights("Q4_1")

@@ -1,0 +1,131 @@
+"""The real SmolLM2-135M-Instruct through the generated package, for what only SmolLM2 has: its
+chat prompt against transformers', the fused step's blocks and logits, int8 activations, and
+`pyml generate` itself. Its logits and greedy tokens against transformers, from the float32
+model and the fused step, are checked with the other families' in test_shipped_generation.py."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pyml.errors import PymlError
+from pyml.generate import decoding as generation
+from tests.support.shipped import PROMPTS
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = ROOT / "specs" / "smollm2_135m.toml"
+QUESTION = PROMPTS["smollm2"]["chat"].text
+
+
+@pytest.fixture
+def run(shipped):
+    return shipped("smollm2")
+
+
+@pytest.fixture
+def model_dir(smollm2_folder):
+    # named as `pyml import-gguf` names the shipped model's spec: gen/smollm2_135m runs the folder
+    return smollm2_folder
+
+
+@pytest.fixture
+def chat_ids(run):
+    return run.prompt_ids(PROMPTS["smollm2"]["chat"])
+
+
+def test_chat_prompt_ids_match_transformers(chat_ids, smollm2_reference_tokenizer):
+    tokenizer = smollm2_reference_tokenizer
+    expected = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}],
+                                             add_generation_prompt=True, tokenize=True)
+    expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
+    assert chat_ids == list(expected)
+
+
+def test_config_that_disagrees_with_the_spec_is_named(tmp_path, model_dir):
+    import json
+    import shutil
+
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(model_dir / name, tmp_path / name)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["num_hidden_layers"] = 12
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(PymlError, match="num_hidden_layers is 12 in config.json but 30 in the spec"):
+        generation.load_model(tmp_path, SPEC)
+
+
+def pyml(*args):
+    return subprocess.run([sys.executable, "-m", "pyml.cli", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_cli_generate_answers_the_chat_question(model_dir):
+    result = pyml("generate", "--model", str(model_dir), "--chat", "--prompt", QUESTION,
+                  "--max-new-tokens", "16")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "The capital of France is Paris."
+    assert "decode:" in result.stderr and "tokens/s" in result.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "/nonexistent/model"], "/nonexistent/model: no such folder"),
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--weights", "q5_0"], "--weights must be one of as-stored, f32, q8_0, q4_0, q4_1, not 'q5_0'"),
+    (["--activations", "int8"], "--activations must be one of f32, q8_0, not 'int8'"),
+])
+def test_cli_generate_rejects_bad_input_in_one_line(args, message):
+    result = pyml("generate", "--prompt", "hi", *args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0]
+
+
+def test_fused_step_keeps_the_gguf_blocks(run):
+    from pyml.package.decode_cpu import Q4_RUNS_OF_16, Q8
+
+    kinds = {prefix: set(weight[0]) for prefix, weight in run.fused.weights.items()}
+    # the shipped file: Q4_1 projections, the tied head in Q8_0 (the embedding's own type)
+    assert kinds == {"self_attn_qkv": {Q4_RUNS_OF_16}, "self_attn_o": {Q4_RUNS_OF_16},
+                     "mlp_gate_up": {Q4_RUNS_OF_16}, "mlp_down": {Q4_RUNS_OF_16}, "lm_head": {Q8}}
+
+
+def test_fused_decode_steps_match_the_float32_forward_on_the_same_weights(run, chat_ids):
+    """The folder's float32 weights are the GGUF's dequantized: the same function, summed in
+    another order (float32 partial sums per 16 lanes against BLAS)."""
+    model, fused = run.model, run.fused
+    full = model.forward(np.array([chat_ids]))[0]
+    cache, _ = fused.start_decoding(np.array([chat_ids[:20]]), len(chat_ids))
+    worst = 0.0
+    for position in range(20, len(chat_ids)):
+        logits = fused.decode(cache, np.array([chat_ids[position]]))
+        worst = max(worst, float(np.abs(logits[0] - full[position]).max()))
+        assert logits[0].argmax() == full[position].argmax()
+    print(f"largest logit difference to the float32 forward: {worst:.2e}")
+    assert worst < 1e-3  # logits of magnitude ~20 (5e-5 here on 2026-12-01)
+
+
+def test_int8_activations_decode_near_the_float32_forward(run, chat_ids, model_dir):
+    """--activations q8_0 rounds every product's input to int8 (as llama.cpp does): the logits move
+    (by up to 1.9 here on 2026-12-02, of magnitude ~20: the error of each product, 5e-3 of it,
+    grows over 30 layers), and the greedy answer to the question is still Paris."""
+    int8 = generation.load_decoder(model_dir, SPEC, activations="q8_0")
+    assert set(int8.formats.values()) == {"Q4_1 x Q8_0 activations", "Q8_0 x Q8_0 activations"}
+    model, tokenizer = run.model, run.tokenizer
+    full = model.forward(np.array([chat_ids]))[0]
+    cache, _ = int8.start_decoding(np.array([chat_ids[:20]]), len(chat_ids))
+    differences = []
+    for position in range(20, len(chat_ids)):
+        logits = int8.decode(cache, np.array([chat_ids[position]]))
+        differences.append(float(np.abs(logits[0] - full[position]).max()))
+    print(f"largest logit difference to the float32 forward: {max(differences):.2e}")
+    assert 1e-3 < max(differences) < 3.0
+    result = generation.generate(int8, tokenizer, chat_ids, 16, generation.eos_ids(model_dir), out=None)
+    assert "Paris" in tokenizer.decode(result.new_ids)
+
+
+def test_int8_activations_on_the_gpu_are_refused_in_one_line(model_dir):
+    with pytest.raises(PymlError, match="--activations q8_0 runs on the CPU only: leave it out to "
+                                        "decode on the GPU"):
+        generation.load_decoder(model_dir, SPEC, device="cuda", activations="q8_0")

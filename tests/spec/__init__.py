@@ -1,0 +1,1 @@
+"""The spec language: parsing, validation, shape inference and the memory guard."""

@@ -1,0 +1,1 @@
+"""Helpers the tests share: references, case tables, harnesses; no tests here."""

@@ -1,0 +1,199 @@
+"""Tiny model folders of both GGUF families, for the checkpoint and export tests.
+
+Each is made as a user makes one: a GGUF written the way llama.cpp's converter writes it (with the
+gguf package: llama's Q and K rows permuted, Gemma's norm gains stored as 1 + w, the tokenizer as
+metadata), imported with `pyml import-gguf`. The llama one has `specs/llama_tiny.toml`'s dims, so
+that gen/llama_tiny trains it; the gemma one is small and has six layers (five sliding-window
+ones and a global one), a user-defined token and a SentencePiece vocabulary.
+"""
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from pyml.formats.gguf_import import import_gguf
+from pyml.spec import load_spec
+
+SPECS = Path(__file__).resolve().parents[2] / "specs"
+# llama_tiny's dims, read from its spec so that the two never part.
+LLAMA_SPEC = load_spec(SPECS / "llama_tiny.toml")
+LLAMA_ATTENTION = LLAMA_SPEC.block.attention
+LLAMA = {
+    "hidden": LLAMA_SPEC.embedding.dim, "layers": LLAMA_SPEC.block.count,
+    "heads": LLAMA_ATTENTION.n_heads, "kv_heads": LLAMA_ATTENTION.n_kv_heads,
+    "head_dim": LLAMA_ATTENTION.head_dim, "ffn": LLAMA_SPEC.block.mlp.hidden,
+}  # fmt: skip
+# Heads of 256, as Gemma 3's: llama.cpp scales the scores by head_dim ** -0.5, and transformers'
+# GGUF loader by 256 ** -0.5 whatever head_dim is (it leaves query_pre_attn_scalar at its default).
+GEMMA = {"hidden": 64, "layers": 6, "heads": 2, "kv_heads": 1, "head_dim": 256, "ffn": 96}
+GEMMA_WINDOW = 8
+
+# A byte-level vocabulary of 96 tokens (llama_tiny's): three control tokens, the byte symbols of
+# letters, digits, space, newline and some punctuation, and the tokens of 27 merges.
+LLAMA_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+LLAMA_SYMBOLS = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [
+    chr(c) for c in range(ord("A"), ord("Z") + 1)
+] + [str(d) for d in range(10)] + ["Ġ", "Ċ", ".", ","]  # fmt: skip
+LLAMA_MERGES = [
+    "Ġ t", "h e", "Ġt he", "i n", "e r", "a n", "o n", "r e", "Ġ a", "e n", "a t", "o r", "e s",
+    "Ġ s", "i s", "i t", "o u", "Ġ o", "Ġ w", "n d", "e d", "Ġ c", "a r", "a l", "Ġ f", "Ġ p", "l e",
+]  # fmt: skip
+LLAMA_TOKENS = LLAMA_SPECIAL + LLAMA_SYMBOLS + [merge.replace(" ", "") for merge in LLAMA_MERGES]
+assert len(LLAMA_TOKENS) == LLAMA_SPEC.embedding.vocab_size
+LLAMA_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# A SentencePiece vocabulary as Gemma's: control tokens, the 256 byte tokens, a user-defined
+# token, then pieces scored best first.
+GEMMA_SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]
+GEMMA_BYTES = [f"<0x{byte:02X}>" for byte in range(256)]
+GEMMA_USER_DEFINED = ["\n\n"]
+GEMMA_PIECES = [
+    "▁t", "he", "▁the", "in", "▁a", "er", "on", "▁c", "at", "ap", "it", "al", "ital", "of", "▁of",
+    "is", "▁is", "ris", "▁Pa", "Pa",
+    "▁", "t", "h", "e", "i", "n", "a", "r", "o", "c", "p", "l", "f", "s", "F", "P", ".",
+]  # fmt: skip
+GEMMA_TOKENS = GEMMA_SPECIAL + GEMMA_BYTES + GEMMA_USER_DEFINED + GEMMA_PIECES
+
+
+def llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py does to the Q and K rows (its `permute`)."""
+    return (
+        weight.reshape(n_heads, 2, weight.shape[0] // n_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def block_shapes(dims: dict[str, int], gemma: bool) -> dict[str, tuple[int, ...]]:
+    hidden, ffn = dims["hidden"], dims["ffn"]
+    q_rows, kv_rows = dims["heads"] * dims["head_dim"], dims["kv_heads"] * dims["head_dim"]
+    shapes = {
+        "attn_norm.weight": (hidden,),
+        "attn_q.weight": (q_rows, hidden),
+        "attn_k.weight": (kv_rows, hidden),
+        "attn_v.weight": (kv_rows, hidden),
+        "attn_output.weight": (hidden, q_rows),
+        "ffn_norm.weight": (hidden,),
+        "ffn_gate.weight": (ffn, hidden),
+        "ffn_up.weight": (ffn, hidden),
+        "ffn_down.weight": (hidden, ffn),
+    }
+    if gemma:
+        shapes |= {
+            "attn_q_norm.weight": (dims["head_dim"],),
+            "attn_k_norm.weight": (dims["head_dim"],),
+            "post_attention_norm.weight": (hidden,),
+            "post_ffw_norm.weight": (hidden,),
+        }
+    return shapes
+
+
+def write_gguf(path: Path, architecture: str, dims: dict[str, int]) -> None:
+    """A tiny GGUF of `architecture` (llama or gemma3), every tensor float32."""
+    gemma = architecture == "gemma3"
+    tokens = GEMMA_TOKENS if gemma else LLAMA_TOKENS
+    writer = gguf.GGUFWriter(path, architecture)
+    writer.add_context_length(64)
+    writer.add_embedding_length(dims["hidden"])
+    writer.add_block_count(dims["layers"])
+    writer.add_feed_forward_length(dims["ffn"])
+    writer.add_head_count(dims["heads"])
+    writer.add_head_count_kv(dims["kv_heads"])
+    writer.add_key_length(dims["head_dim"])
+    writer.add_value_length(dims["head_dim"])
+    writer.add_token_list(tokens)
+    if gemma:
+        writer.add_layer_norm_rms_eps(1e-6)
+        writer.add_rope_freq_base(1e6)
+        writer.add_sliding_window(GEMMA_WINDOW)
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        n_added = len(GEMMA_SPECIAL) + len(GEMMA_BYTES) + len(GEMMA_USER_DEFINED)
+        writer.add_token_scores(
+            [-1000.0] * len(GEMMA_SPECIAL) + [0.0] * len(GEMMA_BYTES)
+            + [-1000.0] * len(GEMMA_USER_DEFINED) + [-float(i) for i in range(len(GEMMA_PIECES))]
+        )  # fmt: skip
+        writer.add_token_types(
+            [3] * len(GEMMA_SPECIAL) + [6] * len(GEMMA_BYTES) + [4] * len(GEMMA_USER_DEFINED)
+            + [1] * (len(tokens) - n_added)
+        )  # fmt: skip
+        writer.add_bos_token_id(2)
+        writer.add_eos_token_id(1)
+        writer.add_unk_token_id(3)
+        writer.add_pad_token_id(0)
+        writer.add_add_bos_token(True)
+        writer.add_add_eos_token(False)
+        writer.add_add_space_prefix(False)
+    else:
+        writer.add_vocab_size(len(tokens))
+        writer.add_rope_dimension_count(dims["head_dim"])
+        writer.add_layer_norm_rms_eps(LLAMA_SPEC.final_norm.eps)
+        writer.add_rope_freq_base(LLAMA_ATTENTION.rope.theta)
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("smollm")
+        writer.add_token_types([3] * len(LLAMA_SPECIAL) + [1] * (len(tokens) - len(LLAMA_SPECIAL)))
+        writer.add_token_merges(LLAMA_MERGES)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_unk_token_id(0)
+        writer.add_pad_token_id(2)
+        writer.add_add_bos_token(False)
+        writer.add_add_space_prefix(False)
+        writer.add_chat_template(LLAMA_CHAT_TEMPLATE)
+
+    rng = np.random.default_rng(7)
+    shapes = {
+        "token_embd.weight": (len(tokens), dims["hidden"]),
+        "output_norm.weight": (dims["hidden"],),
+    }
+    for layer in range(dims["layers"]):
+        shapes |= {
+            f"blk.{layer}.{name}": shape for name, shape in block_shapes(dims, gemma).items()
+        }
+    for name, shape in shapes.items():
+        if name.endswith("norm.weight"):  # a gain (for Gemma: 1 + w, as the converter stores it)
+            weight = (1 + rng.standard_normal(shape) * 0.3).astype(np.float32)
+        else:
+            weight = (rng.standard_normal(shape) * 0.2).astype(np.float32)
+        if not gemma and name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = dims["heads"] if name.endswith("attn_q.weight") else dims["kv_heads"]
+            weight = np.ascontiguousarray(llama_cpp_permute(weight, heads))
+        writer.add_tensor(name, weight)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def tiny_folder(root: Path, architecture: str, dims: dict[str, int] | None = None) -> Path:
+    """`root`/tiny-<architecture>/, imported from a tiny GGUF written beside it."""
+    dims = dims or (GEMMA if architecture == "gemma3" else LLAMA)
+    gguf_path = root / f"tiny-{architecture}.gguf"
+    write_gguf(gguf_path, architecture, dims)
+    return import_gguf(gguf_path, root / f"tiny-{architecture}", progress=False)
+
+
+def tiny_text(path: Path) -> Path:
+    """A text file in the tiny llama's alphabet, to train on."""
+    lines = [
+        "The capital of France is Paris, and the capital of Italy is Rome.",
+        "In the spring, the rivers run high and the fields are green.",
+        "A cat sat on the mat. It was warm, and the sun was out.",
+        "Seven and five are twelve. Twelve and eight are twenty.",
+    ]
+    path.write_text("\n".join(lines * 12) + "\n", encoding="utf-8")
+    return path
+
+
+def tiny_training(init: Path, out: Path, **options):
+    """A few float64 steps of llama_tiny from `init`, checkpoints every 2 steps."""
+    from pyml.train.run import train
+
+    values = dict(steps=4, batch=2, seq=16, lr=3e-3, eval_every=2, eval_batches=2,
+                  checkpoint_every=2, dtype="float64")  # fmt: skip
+    return train(SPECS / "llama_tiny.toml", init=init, data=tiny_text(out.parent / "text.txt"),
+                 out=out, progress=False, **(values | options))  # fmt: skip

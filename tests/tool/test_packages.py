@@ -1,0 +1,129 @@
+"""Where a spec's generated package comes from (`pyml.packages`): a project's gen/ when it is
+current for that very spec, else pyml's cache, generated once, whole, and again when corrupted."""
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pyml.codegen.emit import write_generated
+from pyml.errors import PymlError
+from pyml.generate import decoding as generation
+from pyml.packages import cached_package, package_for
+from pyml.project import init_project
+from pyml.spec import load_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = ROOT / "specs" / "llama_tiny.toml"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("PYML_CACHE", str(folder))
+    return folder
+
+
+@pytest.fixture
+def project(tmp_path) -> Path:
+    """A project holding llama_tiny's spec and its generated package."""
+    root = tmp_path / "project"
+    init_project(root)
+    spec_path = root / "specs" / "llama_tiny.toml"
+    shutil.copy(SPEC, spec_path)
+    write_generated(load_spec(spec_path), spec_path, root)
+    return root
+
+
+def test_a_projects_current_package_runs_and_a_stale_one_does_not(project, cache, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    spec_path = project / "specs" / "llama_tiny.toml"
+    assert Path(package_for(spec_path).__file__).is_relative_to(project / "gen")
+    spec_path.write_text(spec_path.read_text().replace("theta = 50000.0", "theta = 40000.0"))
+    stale = package_for(spec_path)  # the project's package was generated from the old spec
+    assert Path(stale.__file__).is_relative_to(cache)
+    assert stale.model.__file__ != package_for(SPEC).model.__file__
+
+
+def test_a_model_folders_spec_runs_from_the_project_around_the_working_directory(
+        project, cache, tmp_path, monkeypatch):
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    shutil.copy(SPEC, folder / "spec.toml")
+    monkeypatch.chdir(project / "specs")
+    assert Path(package_for(folder).__file__).is_relative_to(project / "gen")
+    monkeypatch.chdir(tmp_path)  # no project here: the same spec from the cache
+    assert Path(package_for(folder).__file__).is_relative_to(cache)
+    assert len(list((cache / "packages").iterdir())) == 1
+
+
+def test_a_corrupt_entry_is_generated_again(cache):
+    spec = load_spec(SPEC)
+    entry, _ = cached_package(spec, SPEC.read_text())
+    kernels = entry / "gen" / "llama_tiny" / "kernels_cpu.py"
+    whole = kernels.read_text()
+    kernels.write_text(whole.replace("dy", "-dy", 1))
+    (entry / "gen" / "llama_tiny" / "decode_cpu.py").unlink()
+    again, _ = cached_package(spec, SPEC.read_text())
+    assert again == entry and kernels.read_text() == whole
+    assert (entry / "gen" / "llama_tiny" / "decode_cpu.py").is_file()
+    assert [p.name for p in (cache / "packages").iterdir()] == [entry.name]  # nothing set aside left
+
+
+def test_processes_generating_the_same_spec_at_once_leave_one_whole_entry(cache):
+    code = textwrap.dedent(f"""
+        from pathlib import Path
+        from pyml.packages import cached_package
+        from pyml.spec import load_spec
+        entry, package = cached_package(load_spec(Path({str(SPEC)!r})), Path({str(SPEC)!r}).read_text())
+        print(entry)
+    """)
+    runs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=os.environ.copy()) for _ in range(3)]
+    outputs = [run.communicate(timeout=600) for run in runs]
+    assert all(run.returncode == 0 for run in runs), [err for _, err in outputs]
+    assert len({out.strip() for out, _ in outputs}) == 1
+    assert [p.name for p in (cache / "packages").iterdir()] == [Path(outputs[0][0].strip()).name]
+
+
+def test_an_unwritable_cache_is_refused_in_one_line(tmp_path, monkeypatch):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("PYML_CACHE", str(tmp_path / "a-file" / "cache"))
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(SPEC, tmp_path / "spec.toml")
+    with pytest.raises(PymlError, match=r"^cannot write pyml's cache .*; set PYML_CACHE to a "
+                                        r"writable folder$"):
+        package_for(tmp_path / "spec.toml")
+
+
+def test_a_renamed_model_folder_runs_from_a_package_generated_on_first_use(tiny_folders, cache, tmp_path):
+    """A folder's spec under a name no project has (as `pyml import-gguf --out ANY_NAME` writes)
+    is generated into the cache and runs the folder's weights."""
+    folder = tmp_path / "My Gemma"
+    shutil.copytree(tiny_folders["gemma3"], folder)
+    spec_text = (folder / "spec.toml").read_text()
+    name = load_spec(folder / "spec.toml").name
+    (folder / "spec.toml").write_text(spec_text.replace(f'"{name}"', '"my_gemma"'))
+    renamed = generation.load_model(folder)
+    assert Path(sys.modules[type(renamed).__module__].__file__).is_relative_to(cache)
+    original = generation.load_model(tiny_folders["gemma3"])
+    np.testing.assert_array_equal(renamed.device.to_host(renamed.params.flat),
+                                  original.device.to_host(original.params.flat))
+
+
+def test_gen_of_a_spec_outside_any_project_writes_into_the_cache(cache, tmp_path):
+    spec_path = tmp_path / "loose" / "mine.toml"
+    spec_path.parent.mkdir()
+    spec_path.write_text(SPEC.read_text().replace('"llama_tiny"', '"mine"'))
+    result = subprocess.run([sys.executable, "-m", "pyml.cli", "gen", str(spec_path)], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "is in no pyml project" in result.stdout and "pyml.compile" in result.stdout
+    [entry] = (cache / "packages").iterdir()
+    assert entry.name.startswith("mine-") and (entry / "gen" / "mine" / "model.py").is_file()
+    assert not (tmp_path / "gen").exists() and not (spec_path.parent / "gen").exists()
