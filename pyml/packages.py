@@ -34,7 +34,6 @@ from pyml.formats.model_folder import SPEC_FILE
 from pyml.project import find_project, spec_project
 
 
-
 def generator_inputs() -> dict:
     """What generated code depends on besides its spec, as the manifest records it."""
     from pyml.codegen.manifest import generator_hash, shared_hashes, template_hashes

@@ -24,7 +24,6 @@ from pyml.codegen.ir import Graph, Op
 from pyml.codegen.render import ENVIRONMENT
 from pyml.codegen.schedule import forward_statements, graph_param, render
 
-
 POOL = Call("use_pool_threads", (Code("threads"),))
 ONE_THREAD = Call("use_pool_threads", (Code("1"),))
 

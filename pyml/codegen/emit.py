@@ -13,8 +13,8 @@ from pathlib import Path
 
 from pyml import __version__
 from pyml.codegen import lean_check, lean_instances
-from pyml.codegen.lower import lower
 from pyml.codegen.decode_source import render_decode
+from pyml.codegen.lower import lower
 from pyml.codegen.manifest import manifest, sha256, shared_hash
 from pyml.codegen.model_source import render_model
 from pyml.codegen.render import SHARED_KERNEL_MODULES, render_kernel_module
@@ -93,8 +93,8 @@ ESTIMATE_BATCH = {"decoder": (2, 128), "sequential": (64, 1)}
 
 def describe_size(spec) -> str:
     """One line: the parameter count and what a float32 training run at the default batch holds."""
-    from pyml.package.base import available_memory
     from pyml.codegen.schedule import plan_layout, training_memory
+    from pyml.package.base import available_memory
 
     graph = lower(spec)
     B, T = ESTIMATE_BATCH[graph.form]

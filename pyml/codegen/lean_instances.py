@@ -36,7 +36,6 @@ from pyml.codegen.lean_syntax import (
 )
 from pyml.laws import Law, load_law_index
 
-
 NIL = Ctor("nil")
 
 

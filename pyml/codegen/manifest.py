@@ -15,7 +15,6 @@ from pyml import __version__
 from pyml.codegen import render
 
 
-
 def sha256(text: str | bytes) -> str:
     return hashlib.sha256(text.encode() if isinstance(text, str) else text).hexdigest()
 

@@ -35,6 +35,7 @@ from pyml.codegen.ir import Graph, Op
 from pyml.codegen.kinds import kind_of
 from pyml.codegen.passes import fuse_residual_norms
 
+
 @dataclass
 class Layout:
     """Where every storage lives: `saved` storages are kept per layer for the backward;
@@ -339,7 +340,8 @@ def schedule(graph: Graph) -> tuple[Layout, Statements]:
 
 def training_memory(graph: Graph, layout: Layout, B: int, T: int, itemsize: int) -> dict[str, int]:
     """Bytes a training step at batch (B, T) holds: parameters, their gradients, AdamW's two
-    moments, the activations (per layer where the backward reads them) and the gradient buffers."""
+    moments, a decoder's RoPE tables (cos and sin at every position up to max_seq_len), the
+    activations (per layer where the backward reads them) and the gradient buffers."""
     sizes = {"B": B, "T": T, "N": B * T}
 
     def count(shape: tuple) -> int:
@@ -354,5 +356,9 @@ def training_memory(graph: Graph, layout: Layout, B: int, T: int, itemsize: int)
     if "stream" in graph.storages:
         gradients += count(graph.storages["stream"].shape)
     params = graph.param_count() * itemsize
-    return {"parameters": params, "gradients": params, "AdamW state": 2 * params,
-            "activations": activations + gradients * itemsize}
+    positions = graph.constants.get("MAX_SEQ_LEN", 0)
+    tables = sum(2 * positions * half * itemsize for _, half in graph.rope_tables)
+    parts = {"parameters": params, "gradients": params, "AdamW state": 2 * params}
+    if tables:
+        parts["RoPE tables"] = tables
+    return parts | {"activations": activations + gradients * itemsize}

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import gguf
@@ -40,10 +39,10 @@ from tqdm import tqdm
 from pyml.errors import PymlError
 from pyml.formats.gguf_architectures import Llama, architecture_of
 from pyml.formats.gguf_read import GGUFFile
-from pyml.formats.model_folder import MODEL_FILE
+from pyml.formats.model_folder import MODEL_FILE, is_adapter_folder
 from pyml.formats.quant import BLOCK_LAYOUT, GGMLType, tensor_nbytes
 from pyml.formats.quantize import quantize
-from pyml.formats.safetensors_io import NEW_FILE_MODE, read_safetensors
+from pyml.formats.safetensors_io import read_safetensors
 from pyml.formats.tokenizer import (
     CONTROL_TOKEN,
     NORMAL_TOKEN,
@@ -52,6 +51,7 @@ from pyml.formats.tokenizer import (
     special_token_id,
     tokenizer_config,
 )
+from pyml.outputs import check_destination, os_error, written_file
 
 # --type -> the GGML type of the 2-D tensors, and general.file_type (llama.cpp's llama_ftype).
 EXPORT_TYPES = {
@@ -73,8 +73,10 @@ SPECIAL_TOKENS = {
 }
 
 
-def export_gguf(model_dir: Path, out: Path, type_name: str = "f32", progress: bool = True) -> Path:
-    """Write the model in `model_dir` as a GGUF at `out`, its matrices as `type_name`."""
+def export_gguf(model_dir: Path, out: Path, type_name: str = "f32", progress: bool = True,
+                overwrite: bool = False) -> Path:
+    """Write the model in `model_dir` as a GGUF at `out`, its matrices as `type_name`. An existing
+    GGUF at `out` is replaced; any other file only with `overwrite` (`pyml.outputs`)."""
     if type_name not in EXPORT_TYPES:
         raise PymlError(
             f"--type {type_name!r} is not one pyml writes (only {', '.join(EXPORT_TYPES)})"
@@ -83,6 +85,10 @@ def export_gguf(model_dir: Path, out: Path, type_name: str = "f32", progress: bo
     model_dir, out = Path(model_dir), Path(out)
     if out.is_dir():
         raise PymlError(f"{out}: is a folder; give the GGUF file to write")
+    check_destination(out, "a GGUF file", is_gguf_file, overwrite)
+    if is_adapter_folder(model_dir):
+        raise PymlError(f"{model_dir} holds LoRA adapters, not a model: fold them into their base "
+                        "first (`pyml merge-lora BASE ADAPTER --out DIR`), then export DIR")
     config = _read_json(model_dir / "config.json")
     tokenizer = _read_json(model_dir / "tokenizer.json")
     settings = _read_json(model_dir / "tokenizer_config.json")
@@ -97,28 +103,20 @@ def export_gguf(model_dir: Path, out: Path, type_name: str = "f32", progress: bo
 
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        descriptor, temporary = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.",
-                                                 suffix=".tmp")  # fmt: skip
-        os.close(descriptor)
-        os.chmod(temporary, NEW_FILE_MODE)
+        with written_file(out) as temporary:
+            _write(temporary, architecture, metadata, tensors, plan, file_type,
+                   out.name if progress else "")  # fmt: skip
     except OSError as error:
-        raise PymlError(f"{out}: cannot write: {error.strerror}") from None
-    try:
-        _write(
-            temporary,
-            architecture,
-            metadata,
-            tensors,
-            plan,
-            file_type,
-            out.name if progress else "",
-        )
-        os.replace(temporary, out)
-    except OSError as error:
-        raise PymlError(f"{out}: cannot write: {error.strerror}") from None
-    finally:
-        Path(temporary).unlink(missing_ok=True)
+        raise PymlError(f"{out}: cannot write: {os_error(error)}") from None
     return out
+
+
+def is_gguf_file(path: Path) -> bool:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 # -- what the file says

@@ -19,9 +19,9 @@ from tqdm import tqdm
 from pyml.errors import PymlError
 from pyml.formats.gguf_architectures import Llama, architecture_of
 from pyml.formats.gguf_read import GGUFFile, read_gguf
-from pyml.formats.model_folder import SPEC_FILE
+from pyml.formats.model_folder import SPEC_FILE, is_model_folder
 from pyml.formats.quant import dequantize
-from pyml.formats.safetensors_io import atomic_write, write_safetensors
+from pyml.formats.safetensors_io import write_safetensors
 from pyml.formats.spec_toml import spec_toml
 from pyml.formats.tokenizer import (
     build_tokenizer,
@@ -29,20 +29,21 @@ from pyml.formats.tokenizer import (
     special_token_id,
     tokenizer_config,
 )
+from pyml.outputs import check_destination, os_error, written_folder
 
 SOURCE_GGUF = "source.gguf"  # the copy of the GGUF, whose quantized tensors `pyml generate` runs
 
 
-def import_gguf(gguf_path: Path, out_dir: Path, progress: bool = True, name: str | None = None) -> Path:
+def import_gguf(gguf_path: Path, out_dir: Path, progress: bool = True, name: str | None = None,
+                overwrite: bool = False) -> Path:
     """Write the Hugging Face model folder for the GGUF at `gguf_path` into `out_dir`; its spec is
-    called `name` (default: after the folder)."""
+    called `name` (default: after the folder). An existing `out_dir` is replaced whole when it is
+    an empty or a model folder, otherwise only with `overwrite` (`pyml.outputs`)."""
+    out_dir = check_destination(Path(out_dir), "a model folder", is_model_folder, overwrite)
     gguf = read_gguf(gguf_path)
     architecture = architecture_of(gguf)
     tied = check_tensors(gguf, architecture)
     tokenizer = build_tokenizer(gguf)
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise PymlError(f"{out_dir}: exists and is not a directory")
 
     config = architecture.hf_config(tied) | _generation_config(gguf)
     spec = architecture.spec(name or spec_name(out_dir), tied)
@@ -61,18 +62,17 @@ def import_gguf(gguf_path: Path, out_dir: Path, progress: bool = True, name: str
         bar.set_description("decoding tensors")
         tensors = _decode_tensors(gguf, architecture, bar)
         try:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            bar.set_description("writing model.safetensors")
-            write_safetensors(out_dir / "model.safetensors", tensors, metadata={"format": "pt"})
-            bar.update()
-            if Path(gguf_path).resolve() != (out_dir / SOURCE_GGUF).resolve():
-                shutil.copyfile(gguf_path, out_dir / SOURCE_GGUF)
-            for name, content in files.items():
-                bar.set_description(f"writing {name}")
-                atomic_write(out_dir / name, lambda handle, content=content: handle.write(content))
+            with written_folder(out_dir) as folder:
+                bar.set_description("writing model.safetensors")
+                write_safetensors(folder / "model.safetensors", tensors, metadata={"format": "pt"})
                 bar.update()
+                shutil.copyfile(gguf_path, folder / SOURCE_GGUF)
+                for file_name, content in files.items():
+                    bar.set_description(f"writing {file_name}")
+                    (folder / file_name).write_bytes(content)
+                    bar.update()
         except OSError as error:
-            raise PymlError(f"{out_dir}: cannot write the model: {error.strerror}") from None
+            raise PymlError(f"{out_dir}: cannot write the model: {os_error(error)}") from None
     return out_dir
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pyml.errors import PymlError
-from pyml.formats.safetensors_io import atomic_write
+from pyml.outputs import atomic_write
 
 MODEL_FILE = "model.safetensors"
 SPEC_FILE = "spec.toml"
@@ -33,6 +33,24 @@ DESCRIPTION_FILES = (
     "tokenizer_config.json",
     "chat_template.jinja",
 )
+
+
+ADAPTER_CONFIG_FILE = "adapter_config.json"  # what marks a LoRA adapter folder (peft's)
+STATE_FILE = "state.json"  # what marks a training checkpoint
+
+
+def is_model_folder(path: Path) -> bool:
+    """Whether `path` is an empty folder or a model folder that is not a training checkpoint:
+    what `pyml import-gguf` and `pyml merge-lora` may replace without --overwrite."""
+    path = Path(path)
+    if not path.is_dir():
+        return False
+    names = {child.name for child in path.iterdir()}
+    return not names or ({MODEL_FILE, "config.json"} <= names and STATE_FILE not in names)
+
+
+def is_adapter_folder(path: Path) -> bool:
+    return (Path(path) / ADAPTER_CONFIG_FILE).is_file() and not (Path(path) / MODEL_FILE).is_file()
 
 
 def weights_file(init: Path) -> Path:

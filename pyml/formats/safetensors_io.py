@@ -8,8 +8,6 @@ covered exactly: no gaps, no overlaps, nothing past the end.
 
 import json
 import os
-import tempfile
-from collections.abc import Callable
 from math import prod
 from pathlib import Path
 from typing import BinaryIO
@@ -17,6 +15,7 @@ from typing import BinaryIO
 import numpy as np
 
 from pyml.errors import PymlError
+from pyml.outputs import atomic_write
 
 # safetensors dtype name -> little-endian numpy dtype. BF16 has no numpy dtype: it is read as
 # its raw 16 bits and widened to float32 (exactly), and cannot be written.
@@ -39,7 +38,6 @@ _WRITABLE_DTYPES = {dtype.str: name for name, dtype in _DTYPES.items() if name !
 HEADER_LENGTH_BYTES = 8
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
 METADATA_KEY = "__metadata__"
-NEW_FILE_MODE = 0o644
 _ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
 
 
@@ -95,24 +93,6 @@ def write_safetensors(
             handle.write(arrays[name].data)
 
     atomic_write(path, write)
-
-
-def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Run `write` on a temporary file beside `path`, flush it to disk, then rename it over `path`."""
-    path = Path(path)
-    descriptor, temporary = tempfile.mkstemp(
-        dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"
-    )
-    try:
-        os.fchmod(descriptor, NEW_FILE_MODE)  # mkstemp makes it private (0600)
-        with os.fdopen(descriptor, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 def _little_endian(path: Path, name: str, array: np.ndarray) -> np.ndarray:

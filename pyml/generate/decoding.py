@@ -21,11 +21,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from pyml.errors import PymlError
-from pyml.formats.model_folder import SPEC_FILE
-from pyml.packages import package_for
 from pyml.formats.hf_config import config_mismatches
+from pyml.formats.model_folder import SPEC_FILE, is_adapter_folder
+from pyml.packages import package_for
 from pyml.spec import DecoderModel, load_spec
-
 
 
 @dataclass
@@ -75,6 +74,10 @@ def load_model(model_dir: Path, spec_path: Path | None = None, device: str = "cp
     spec.toml) names the spec, hence the package. `adapter` (a LoRA adapter folder of
     `model_dir`) is folded into the weights as `pyml merge-lora` folds it."""
     model_dir = existing_folder(model_dir)
+    if is_adapter_folder(model_dir):
+        raise PymlError(f"{model_dir} holds LoRA adapters, not a model: give its base as --model "
+                        f"and --adapter {model_dir}, or fold them in first with `pyml merge-lora "
+                        f"BASE {model_dir} --out DIR`")
     spec_path = folder_spec_path(model_dir) if spec_path is None else Path(spec_path)
     spec = load_decoder_spec(spec_path)
     config = read_json(model_dir / "config.json")

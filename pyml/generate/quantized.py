@@ -41,6 +41,9 @@ from types import ModuleType
 import numpy as np
 
 from pyml.errors import PymlError
+from pyml.formats.gguf_quantized import quantized_matrix
+from pyml.formats.quant import GGMLType, dequantize
+from pyml.formats.quantize import quantize
 from pyml.package.decode_cpu import (
     DENSE,
     Q4_RUNS_OF_16,
@@ -52,9 +55,6 @@ from pyml.package.decode_cpu import (
     Q8_X8,
 )
 from pyml.package.quantized_dot import QDOT_GROUP_ROWS
-from pyml.formats.gguf_quantized import quantized_matrix
-from pyml.formats.quant import GGMLType, dequantize
-from pyml.formats.quantize import quantize
 
 WEIGHT_FORMATS = ("as-stored", "f32", "q8_0", "q4_0", "q4_1")
 ACTIVATION_FORMATS = ("f32", "q8_0")

@@ -112,12 +112,22 @@ class Model:
 
     FROZEN_TENSOR_TABLE = None
 
+    @classmethod
+    def table_bytes(cls, itemsize):
+        """Bytes of the tables a model allocates beside its parameters (a decoder's RoPE tables)."""
+        return 0
+
+    @classmethod
+    def tables_described(cls):
+        return ""
+
     def __init__(self, dtype=np.float32, device="cpu"):
         itemsize = np.dtype(dtype).itemsize if np.dtype(dtype) in (np.float32, np.float64) else 4
         size, frozen = self.Parameters.SIZE, self.Parameters.FROZEN_SIZE
         what = f"{size:,} parameters and their gradients" + (
-            f", and {frozen:,} frozen ones" if frozen else "")
-        require_memory((2 * size + frozen) * itemsize, f"spec '{self.SPEC_NAME}' ({what})")
+            f", and {frozen:,} frozen ones" if frozen else "") + self.tables_described()
+        require_memory((2 * size + frozen) * itemsize + self.table_bytes(itemsize),
+                       f"spec '{self.SPEC_NAME}' ({what})")
         self.device = Device(device, dtype, self.kernels_cpu, self.kernels_cuda)
         self.params = self.Parameters(self.device.zeros(size),
                                       self.device.zeros(frozen) if frozen else None)
@@ -238,6 +248,16 @@ class DecoderModel(Model):
             self.device.to_device(cos, tables[0])
             self.device.to_device(sin, tables[1])
             self.rope.append(tables)
+
+    @classmethod
+    def table_bytes(cls, itemsize):
+        # each RoPE table's cos and sin on the host and on the device, and the float64 angles
+        # they are computed from
+        return sum(cls.MAX_SEQ_LEN * half * (4 * itemsize + 8) for _, half in cls.ROPE_TABLES)
+
+    @classmethod
+    def tables_described(cls):
+        return f", and RoPE tables of {cls.MAX_SEQ_LEN:,} positions" if cls.ROPE_TABLES else ""
 
     def rope_table(self, index):
         """(cos, sin) of RoPE table `index`, (MAX_SEQ_LEN, half) on the device."""

@@ -29,13 +29,14 @@ Identifier = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$
 
 
 class Strict(BaseModel):
-    """Base of every spec model: unknown keys are rejected, values are not coerced across types.
+    """Base of every spec model: unknown keys are rejected, values are not coerced across types,
+    and every number is finite (TOML can spell `inf` and `nan`).
 
     `name`, where a layer has one, is how errors and generated code refer to it; a layer without a
     name is called by its place in the spec (`layers[2]`, `block.mlp`).
     """
 
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
 class Linear(Strict):

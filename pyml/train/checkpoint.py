@@ -18,20 +18,20 @@ same optimizer.safetensors, which then holds the adapters' AdamW state, and stat
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import numpy as np
 
 from pyml.errors import PymlError
+from pyml.formats.model_folder import MODEL_FILE, STATE_FILE, write_model_folder
+from pyml.formats.safetensors_io import read_safetensors, write_safetensors
+from pyml.outputs import atomic_write, os_error, written_folder
 from pyml.train.lora import ADAPTER_MODEL_FILE, read_adapter_tensors, write_adapter_folder
-from pyml.formats.model_folder import MODEL_FILE, write_model_folder
-from pyml.formats.safetensors_io import atomic_write, read_safetensors, write_safetensors
+from pyml.train.loss_curve import LOSS_CURVE_FILE
 
 CHECKPOINT_PREFIX = "step_"
 OPTIMIZER_FILE = "optimizer.safetensors"
-STATE_FILE = "state.json"
 OPTIMIZER_TENSORS = ("exp_avg", "exp_avg_sq")
 
 
@@ -52,6 +52,15 @@ def list_checkpoints(out: Path) -> list[Path]:
     return [path for _, path in sorted(found)]
 
 
+def is_run_folder(path: Path) -> bool:
+    """Whether `path` is an empty folder or one a training run writes: its checkpoints, its loss
+    curve and their temporaries, nothing else (where `pyml train --out` may start or continue)."""
+    if not Path(path).is_dir():
+        return False
+    return all(child.name.startswith((CHECKPOINT_PREFIX, ".")) or child.name == LOSS_CURVE_FILE
+               for child in Path(path).iterdir())
+
+
 def latest_checkpoint(out: Path) -> Path | None:
     checkpoints = list_checkpoints(out)
     return checkpoints[-1] if checkpoints else None
@@ -69,31 +78,26 @@ def save_checkpoint(
     try:
         out.mkdir(parents=True, exist_ok=True)
         if not final.is_dir():
-            temporary = out / f".{final.name}.tmp"
-            shutil.rmtree(temporary, ignore_errors=True)  # left by a run killed while saving
-            temporary.mkdir()
-            if is_lora(model):
-                write_adapter_folder(temporary, model, model_files or {})
-            else:
-                write_model_folder(temporary, model, model_files or {})
-            optimizer_state = optimizer.state()
-            write_safetensors(
-                temporary / OPTIMIZER_FILE,
-                {name: np.ascontiguousarray(optimizer_state[name]) for name in OPTIMIZER_TENSORS},
-            )
-            write_json(
-                temporary / STATE_FILE,
-                {**state, "optimizer_step_count": optimizer.step_count,
-                 "parameter_layout": model.params.LAYOUT},
-            )
-            _fsync_directory(temporary)
-            os.replace(temporary, final)
-            _fsync_directory(out)
+            with written_folder(final) as temporary:
+                if is_lora(model):
+                    write_adapter_folder(temporary, model, model_files or {})
+                else:
+                    write_model_folder(temporary, model, model_files or {})
+                optimizer_state = optimizer.state()
+                write_safetensors(
+                    temporary / OPTIMIZER_FILE,
+                    {name: np.ascontiguousarray(optimizer_state[name]) for name in OPTIMIZER_TENSORS},
+                )
+                write_json(
+                    temporary / STATE_FILE,
+                    {**state, "optimizer_step_count": optimizer.step_count,
+                     "parameter_layout": model.params.LAYOUT},
+                )
         for older in list_checkpoints(out)[:-1]:
             if older != final:
                 shutil.rmtree(older)
     except OSError as error:
-        raise PymlError(f"{final}: cannot write the checkpoint: {error.strerror}") from None
+        raise PymlError(f"{final}: cannot write the checkpoint: {os_error(error)}") from None
     return final
 
 
@@ -147,12 +151,3 @@ def write_json(path: Path, value: dict) -> None:
     """Write `value` as JSON atomically: readers see the old file or the whole new one."""
     content = (json.dumps(value, indent=1) + "\n").encode("utf-8")
     atomic_write(Path(path), lambda handle: handle.write(content))
-
-
-def _fsync_directory(path: Path) -> None:
-    """Make the names created in `path` durable, not only the files' contents."""
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)

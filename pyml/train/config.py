@@ -3,8 +3,8 @@ checks; saved in every checkpoint's state.json, so a resume can compare."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import math
+from dataclasses import dataclass
 
 from pyml.errors import PymlError
 
@@ -60,8 +60,10 @@ def check_config(config: TrainingConfig) -> None:
         raise PymlError("--seq must be at least 1")
     if not (config.lr > 0 and math.isfinite(config.lr)):
         raise PymlError(f"--lr must be a positive number, got {config.lr}")
-    if config.weight_decay < 0 or config.max_grad_norm < 0:
-        raise PymlError("--weight-decay and --max-grad-norm must not be negative")
+    for name in ("weight_decay", "max_grad_norm"):
+        value = getattr(config, name)
+        if not (value >= 0 and math.isfinite(value)):
+            raise PymlError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
     if config.dtype not in ("float32", "float64"):
         raise PymlError(f"--dtype must be float32 or float64, got {config.dtype}")
 

@@ -28,7 +28,6 @@ import importlib.util
 import math
 import os
 import shutil
-import signal
 import sys
 import time
 import traceback
@@ -83,7 +82,6 @@ class SingleProcess:
 
     is_root = True
     ranks = 1
-    stop_signals = (signal.SIGINT,)
 
     def check_batch(self, batch: int) -> None:
         pass
@@ -113,8 +111,6 @@ class GatheredOptimizer:
 class DataParallel:
     """This process as rank `world.rank` of `world.size`, each training on its slice of the batch."""
 
-    stop_signals = (signal.SIGINT, signal.SIGTERM)
-
     def __init__(self, world: MpiWorld, shard_optimizer: bool):
         self.world, self.shard_optimizer = world, shard_optimizer
         self.is_root, self.ranks = world.rank == 0, world.size
@@ -137,7 +133,7 @@ class DataParallel:
 
     def train_step(self, package, model, optimizer, inputs, targets, stop) -> float:
         """One step of the global batch (inputs, targets), the same on every rank; returns its
-        loss. Sets `stop.requested` when a stop signal reached any rank."""
+        loss. Sets `stop.signum` when a stop signal reached any rank (the lowest rank's)."""
         import numpy as np
 
 
@@ -159,7 +155,7 @@ class DataParallel:
         exchange.all_buckets_ready()  # those a failure left unreported: the same collectives
         if failure is None and counted[world.rank] and not math.isfinite(loss):
             failure = f"non-finite loss ({loss}) at optimizer step {step}; weights left unchanged"
-        statuses = world.allgather_objects((loss, failure, stop.requested), exchange.progress)
+        statuses = world.allgather_objects((loss, failure, stop.signum), exchange.progress)
         exchange.finish()
         failures = [f"rank {r}: {failed}" for r, (_, failed, _) in enumerate(statuses) if failed]
         if failures:
@@ -170,7 +166,7 @@ class DataParallel:
                 "is not defined; weights left unchanged"
             )
         optimizer.step()
-        stop.requested = any(requested for _, _, requested in statuses)
+        stop.signum = next((signum for _, _, signum in statuses if signum is not None), None)
         # the batch's mean loss: each rank's mean weighted by its counted targets, in rank order
         return sum(count * rank_loss for count, (rank_loss, _, _) in zip(counted, statuses)
                    if count) / total  # fmt: skip

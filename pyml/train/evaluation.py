@@ -8,6 +8,7 @@ import numpy as np
 from pyml.package.base import IGNORED_TARGET
 from pyml.train.config import TrainingConfig
 
+
 def evaluate(model, held_out_pairs: tuple[np.ndarray, np.ndarray], config: TrainingConfig) -> dict:
     """Mean held-out cross-entropy over a fixed set of held-out rows, from forward passes only
     (the gradients are left alone); classifiers also get their accuracy. Decoders use the first

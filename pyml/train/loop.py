@@ -18,20 +18,19 @@ import numpy as np
 from tqdm import tqdm
 
 from pyml.errors import PymlError
-from pyml.train.config import TrainingConfig
-from pyml.train.evaluation import describe_evaluation, evaluate
+from pyml.outputs import remove_stale_temporaries
 from pyml.train.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
 )
+from pyml.train.config import TrainingConfig
 from pyml.train.data import (
     Batches,
     fingerprint,
 )
 from pyml.train.distributed import SingleProcess
-from pyml.train.loss_curve import write_loss_curve
-
-LOSS_CURVE_FILE = "loss.png"
+from pyml.train.evaluation import describe_evaluation, evaluate
+from pyml.train.loss_curve import LOSS_CURVE_FILE, write_loss_curve
 
 
 @dataclass
@@ -40,7 +39,17 @@ class TrainingResult:
     train_losses: list[float]  # train_losses[i] is the loss of step i + 1
     evaluations: list[dict]  # {"step", "loss", and "accuracy" for classifiers}
     checkpoint: Path | None
-    interrupted: bool
+    stopped_by: int | None = None  # the signal that stopped the run early (SIGINT, SIGTERM)
+
+    @property
+    def interrupted(self) -> bool:
+        return self.stopped_by is not None
+
+    @property
+    def exit_status(self) -> int:
+        """0, or what a shell reports for the signal (128 + its number: 130, 143), though the run
+        saved and exited by itself, so that a script can tell it stopped early."""
+        return 0 if self.stopped_by is None else 128 + self.stopped_by
 
 
 def run_training(
@@ -73,6 +82,8 @@ def run_training(
         weight_decay=config.weight_decay,
         max_grad_norm=config.max_grad_norm or None,
     )
+    if group.is_root:
+        remove_stale_temporaries(out)
     batches = Batches(train_pairs, config.batch, config.seed)
     data_fingerprint = fingerprint(*train_pairs, *held_out_pairs)
     checkpoint = latest_checkpoint(out)
@@ -118,7 +129,7 @@ def run_training(
     with (
         tqdm(total=config.steps, initial=step, disable=not (progress and group.is_root),
              unit="step") as bar,
-        stop_requested_by_ctrl_c(bar, group.stop_signals) as stop,
+        stop_requested_by_ctrl_c(bar) as stop,
     ):
         if step == 0 and group.is_root:
             baseline = {"step": 0, **evaluate(model, held_out_pairs, config)}
@@ -148,14 +159,14 @@ def run_training(
             bar.update()
             if stop.requested:
                 checkpoint = save()
-                return TrainingResult(step, train_losses, evaluations, checkpoint, True)
+                return TrainingResult(step, train_losses, evaluations, checkpoint, stop.signum)
             if group.is_root and (step % config.eval_every == 0 or step == config.steps):
                 evaluation = {"step": step, **evaluate(model, held_out_pairs, config)}
                 evaluations.append(evaluation)
                 bar.write(describe_evaluation(evaluation))
             if step % config.checkpoint_every == 0 or step == config.steps:
                 checkpoint = save()
-    return TrainingResult(step, train_losses, evaluations, checkpoint, False)
+    return TrainingResult(step, train_losses, evaluations, checkpoint)
 
 
 def last_good(checkpoint: Path | None) -> str:
@@ -168,13 +179,16 @@ def last_good(checkpoint: Path | None) -> str:
 
 
 class StopRequest:
-    requested = False
+    signum: int | None = None  # the stop signal received, if any
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
 
 
 @contextmanager
-def stop_requested_by_ctrl_c(bar: tqdm, signals=(signal.SIGINT,)):
-    """While inside, Ctrl-C (or another of `signals`: SIGTERM too, on a rank of a distributed run)
-    sets `.requested` instead of raising KeyboardInterrupt in the middle of a step (where the
+def stop_requested_by_ctrl_c(bar: tqdm, signals=(signal.SIGINT, signal.SIGTERM)):
+    """While inside, Ctrl-C or SIGTERM sets `.signum` instead of raising KeyboardInterrupt in the middle of a step (where the
     weights may be half updated); the loop then saves the finished step and returns. A second one
     aborts at once, keeping the last checkpoint."""
     stop = StopRequest()
@@ -183,7 +197,7 @@ def stop_requested_by_ctrl_c(bar: tqdm, signals=(signal.SIGINT,)):
         return
 
     def request_stop(signum, frame):
-        stop.requested = True
+        stop.signum = signum
         signal.signal(signum, previous[signum])
         name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         bar.write(f"{name}: saving a checkpoint after this step ({name} again to abort without it)")
@@ -198,7 +212,8 @@ def stop_requested_by_ctrl_c(bar: tqdm, signals=(signal.SIGINT,)):
 
 def describe_result(result: TrainingResult, out: Path) -> str:
     if result.interrupted:
-        head = f"stopped by Ctrl-C after step {result.step}"
+        name = "Ctrl-C" if result.stopped_by == signal.SIGINT else signal.Signals(result.stopped_by).name
+        head = f"stopped by {name} after step {result.step}"
     else:
         head = f"trained to step {result.step}"
     if result.evaluations and not result.interrupted:

@@ -25,10 +25,17 @@ from pathlib import Path
 import numpy as np
 
 from pyml.errors import PymlError
-from pyml.formats.model_folder import DESCRIPTION_FILES, MODEL_FILE, SPEC_FILE, weights_file
-from pyml.formats.safetensors_io import atomic_write, read_safetensors, write_safetensors
+from pyml.formats.model_folder import (
+    ADAPTER_CONFIG_FILE,
+    DESCRIPTION_FILES,
+    MODEL_FILE,
+    SPEC_FILE,
+    is_model_folder,
+    weights_file,
+)
+from pyml.formats.safetensors_io import read_safetensors, write_safetensors
+from pyml.outputs import atomic_write, check_destination, os_error, written_folder
 
-ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_MODEL_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # peft's wrapper (PeftModel.base_model.model) in tensor names
 # The spec's LoRA targets as the projections' module names in Hugging Face's Llama and Gemma 3.
@@ -188,10 +195,12 @@ def merged_tensors(base: Path, adapter: Path) -> dict[str, np.ndarray]:
     return merged
 
 
-def merge_lora(base: Path, adapter: Path, out: Path) -> Path:
+def merge_lora(base: Path, adapter: Path, out: Path, overwrite: bool = False) -> Path:
     """Write the model folder of `base` with `adapter` folded in to `out`: model.safetensors,
     and the base's spec.toml (a spec without [lora]), config, tokenizer and chat template. Every
-    input is checked before anything is written."""
+    input is checked before anything is written; `out` is written whole, replacing an empty or a
+    model folder there (anything else only with `overwrite`), so nothing of it (no source.gguf,
+    which would no longer describe the weights) survives."""
     base, adapter, out = Path(base), Path(adapter), Path(out)
     for folder, what in ((base, "BASE"), (adapter, "ADAPTER")):
         if not folder.is_dir():
@@ -202,13 +211,17 @@ def merge_lora(base: Path, adapter: Path, out: Path) -> Path:
     if "lora" in tomllib.loads((base / SPEC_FILE).read_text(encoding="utf-8")):
         raise PymlError(f"{base / SPEC_FILE} has a [lora] table: BASE must be a model "
                         "without adapters")
-    if out.resolve() == base.resolve():
-        raise PymlError(f"--out {out} is BASE: write the merged model to another folder")
+    if out.resolve() in (base.resolve(), adapter.resolve()):
+        raise PymlError(f"--out {out} is {'BASE' if out.resolve() == base.resolve() else 'ADAPTER'}: "
+                        "write the merged model to another folder")
+    check_destination(out, "a model folder", is_model_folder, overwrite)
     tensors = merged_tensors(base, adapter)
-    out.mkdir(parents=True, exist_ok=True)
-    write_safetensors(out / MODEL_FILE, tensors)
-    for name in (SPEC_FILE, *DESCRIPTION_FILES):
-        if (base / name).is_file():
-            content = (base / name).read_bytes()
-            atomic_write(out / name, lambda handle, content=content: handle.write(content))
+    try:
+        with written_folder(out) as folder:
+            write_safetensors(folder / MODEL_FILE, tensors)
+            for name in (SPEC_FILE, *DESCRIPTION_FILES):
+                if (base / name).is_file():
+                    (folder / name).write_bytes((base / name).read_bytes())
+    except OSError as error:
+        raise PymlError(f"{out}: cannot write the merged model: {os_error(error)}") from None
     return out

@@ -13,7 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from pyml.errors import PymlError
-from pyml.formats.safetensors_io import atomic_write
+from pyml.outputs import atomic_write, os_error
+
+LOSS_CURVE_FILE = "loss.png"  # in a run's --out folder
 
 # The smoothing window reaches this fraction of the run's steps to either side (at least one).
 SMOOTHING_REACH = 1 / 40
@@ -88,4 +90,4 @@ def write_loss_curve(
         path.parent.mkdir(parents=True, exist_ok=True)  # a run that fails before its first save
         atomic_write(path, lambda handle: figure.savefig(handle, format="png", dpi=100))
     except OSError as error:
-        raise PymlError(f"{path}: cannot write the loss curve: {error.strerror}") from None
+        raise PymlError(f"{path}: cannot write the loss curve: {os_error(error)}") from None

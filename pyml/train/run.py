@@ -19,18 +19,20 @@ from types import ModuleType
 import numpy as np
 
 from pyml.errors import PymlError
+from pyml.formats.model_folder import folder_files, weights_file
+from pyml.outputs import check_destination
+from pyml.packages import package_for
+from pyml.train.checkpoint import (
+    is_run_folder,
+    latest_checkpoint,
+    read_state,
+)
 from pyml.train.config import (
     COMMON_DEFAULTS,
     FIXED_ON_RESUME,
     FORM_DEFAULTS,
     TrainingConfig,
     check_config,
-)
-from pyml.train.loop import TrainingResult, describe_result, run_training
-from pyml.packages import package_for
-from pyml.train.checkpoint import (
-    latest_checkpoint,
-    read_state,
 )
 from pyml.train.data import (
     DEFAULT_CORPUS_NAME,
@@ -41,9 +43,9 @@ from pyml.train.data import (
     split_documents,
     start_id,
 )
-from pyml.train.lora import (LORA_FLAGS, adapter_files, base_weights_digest, lora_settings,
-                               lora_spec)
-from pyml.formats.model_folder import folder_files, weights_file
+from pyml.train.loop import TrainingResult, describe_result, run_training
+from pyml.train.lora import LORA_FLAGS, adapter_files, base_weights_digest, lora_settings, lora_spec
+
 
 def train(
     spec_path: Path | None,
@@ -77,6 +79,9 @@ def train(
     from pyml.packages import spec_file
     from pyml.spec import SequentialModel, load_spec
 
+    out = Path(out)
+    if not resume:  # a resume checks its own --out: a checkpoint must be there
+        check_destination(out, "a training run (its checkpoints and loss.png)", is_run_folder, None)
     if spec_path is None:
         if init is None or not Path(init).is_dir():
             raise PymlError("give --spec, or --init with a model folder (its spec.toml is trained)")
@@ -127,10 +132,6 @@ def train(
         package = package_for(spec_path)
     else:
         spec, package = lora_spec(spec_path, config.lora)
-    if form == "sequential":
-        train_pairs, held_out_pairs = digits_pairs(config, package)
-    else:
-        train_pairs, held_out_pairs = text_pairs(config, package)
     dtype_and_device = {"dtype": np.dtype(config.dtype), "device": config.device}
     lora_table = spec.lora if form == "decoder" else None  # the spec's own, or the flags'
     if lora_table is not None:
@@ -145,11 +146,17 @@ def train(
         else:
             model = package.Model.initialized(seed=config.seed, **dtype_and_device)
         model_files = folder_files(spec_path, None if config.init is None else Path(config.init))
+    # the data after the model: a spec that does not fit the --init weights is named before an
+    # option (--seq) that only does not fit the spec
+    if form == "sequential":
+        train_pairs, held_out_pairs = digits_pairs(config, package)
+    else:
+        train_pairs, held_out_pairs = text_pairs(config, package)
     result = run_training(
-        package, model, train_pairs, held_out_pairs, config, Path(out), resume, progress, group,
+        package, model, train_pairs, held_out_pairs, config, out, resume, progress, group,
         model_files,
     )
-    print(describe_result(result, Path(out)))
+    print(describe_result(result, out))
     return result
 
 

@@ -71,7 +71,7 @@ def test_cli_generate_answers_the_chat_question(model_dir):
 
 @pytest.mark.parametrize("args, message", [
     (["--model", "/nonexistent/model"], "/nonexistent/model: no such folder"),
-    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--temperature", "-1"], "--temperature must be a number >= 0 (0: greedy), not -1.0"),
     (["--weights", "q5_0"], "--weights must be one of as-stored, f32, q8_0, q4_0, q4_1, not 'q5_0'"),
     (["--activations", "int8"], "--activations must be one of f32, q8_0, not 'int8'"),
 ])

@@ -2,7 +2,7 @@
 above it. Every `import` and `from ... import` of pyml counts, at module level or inside a
 function, so a circle cannot hide behind a lazy import.
 
-    errors, cache, project, thread_pools      (the base)
+    errors, outputs, cache, project, thread_pools   (the base)
     spec, formats, laws, exact                 (what a model is; its files)
     package                                    (what generated code imports)
     codegen                                    (spec -> generated code that imports package)
@@ -25,7 +25,7 @@ import pytest
 PYML = Path(__file__).resolve().parents[2] / "pyml"
 # the stages, lowest first; a module may import its own stage and the ones before it
 STAGES = [
-    {"errors", "cache", "project", "thread_pools"},
+    {"errors", "outputs", "cache", "project", "thread_pools"},
     {"spec", "formats", "laws", "exact"},
     {"package"},
     {"codegen"},

@@ -2,6 +2,8 @@
 replaces the old only once it is complete."""
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -47,7 +49,9 @@ def test_round_trip_is_exact(tmp_path):
 def test_a_new_checkpoint_replaces_the_old_once_written(tmp_path):
     model, optimizer = trained_model()
     save_checkpoint(tmp_path, model, optimizer, {"step": 3})
-    (tmp_path / ".step_000007.tmp").mkdir()  # a save killed half way, from an earlier run
+    killed = subprocess.Popen([sys.executable, "-c", "pass"])
+    killed.wait()  # a save killed half way, by an earlier run that no longer runs
+    (tmp_path / f".step_000007.{killed.pid}.tmp").mkdir()
     save_checkpoint(tmp_path, model, optimizer, {"step": 7})
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000007"]
     assert not list(tmp_path.glob(".*.tmp"))

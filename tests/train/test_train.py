@@ -3,6 +3,7 @@ keeps the last checkpoint, the digits MLP reaches its stated accuracy, and (slow
 SmolLM2-135M trains on the Python documentation."""
 
 import dataclasses
+import shutil
 import signal
 from pathlib import Path
 from types import SimpleNamespace
@@ -195,14 +196,23 @@ def test_held_out_loss_is_torch_cross_entropy_of_the_logits():
     "options, message",
     [
         (dict(), "decoders need --init"),
-        (dict(init=Path("nowhere"), seq=16), "tokenizer.json: missing"),
-        (dict(init=Path("nowhere"), seq=65), "exceeds spec 'llama_tiny''s max_seq_len 64"),
+        (dict(init=Path("nowhere"), seq=16), "nowhere: no such file"),
         (dict(lr=-1.0), "--lr must be a positive number"),
     ],
 )
 def test_bad_options_are_refused(tmp_path, options, message):
     with pytest.raises(PymlError, match=message):
         train(SPECS / "llama_tiny.toml", out=tmp_path, progress=False, **options)
+
+
+def test_an_init_folder_without_a_tokenizer_or_a_seq_past_the_spec_is_refused(tiny_folders, tmp_path):
+    init = tmp_path / "init"
+    shutil.copytree(tiny_folders["llama"], init)
+    with pytest.raises(PymlError, match="exceeds spec 'llama_tiny''s max_seq_len 64"):
+        train(SPECS / "llama_tiny.toml", init=init, seq=65, out=tmp_path / "run", progress=False)
+    (init / "tokenizer.json").unlink()
+    with pytest.raises(PymlError, match="tokenizer.json: missing"):
+        train(SPECS / "llama_tiny.toml", init=init, seq=16, out=tmp_path / "run", progress=False)
 
 
 def test_sequential_models_refuse_text_data(tmp_path):
