@@ -25,6 +25,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 MODEL := models/smollm2-135m-instruct
+# a question of demo/pydoc_chats.py's held-out topics: the fine-tune never sees its answer
+DEMO_QUESTION := What does the \`with\` statement do?
 
 demo: $(STAMP) $(MODEL)/model.safetensors
 	$(BIN)/pyml gen specs/smollm2_135m.toml
@@ -35,16 +37,24 @@ demo: $(STAMP) $(MODEL)/model.safetensors
 	@echo "--- the generated package runs the real SmolLM2-135M-Instruct (KV cache, greedy):"
 	$(BIN)/pyml generate --model $(MODEL) --chat --prompt "What is the capital of France?"
 	@echo
-	@echo "--- fine-tune it for a few AdamW steps on CPython's reference docs (pydoc_data):"
-	rm -rf runs/demo
-	$(BIN)/pyml train --spec specs/smollm2_135m.toml --init $(MODEL) --steps 20 --eval-every 10 \
-		--checkpoint-every 20 --out runs/demo
+	@echo "--- chat fine-tuning: a question and its answer per topic of CPython's reference docs (pydoc_data),"
+	@echo "    an eighth of the topics held out; before, the model answers a held-out question like this:"
+	rm -rf runs/demo runs/demo-data
+	$(BIN)/python demo/pydoc_chats.py runs/demo-data
+	$(BIN)/pyml generate --model $(MODEL) --chat --prompt "$(DEMO_QUESTION)" --max-new-tokens 48
+	$(BIN)/pyml eval --model $(MODEL) --data runs/demo-data/held_out.jsonl
 	@echo
-	@echo "--- the checkpoint is a model folder: chat with the fine-tuned model"
-	$(BIN)/pyml generate --model runs/demo/step_000020 --chat --prompt "What is the capital of France?"
+	@echo "--- full fine-tune, the loss on the answers only, 2 batches per step, cosine schedule after a warmup:"
+	$(BIN)/pyml train --spec specs/smollm2_135m.toml --init $(MODEL) --data runs/demo-data/train.jsonl \
+		--eval-data runs/demo-data/held_out.jsonl --steps 30 --accumulate 2 --schedule cosine \
+		--warmup-steps 3 --lr 1e-4 --eval-every 10 --eval-batches 5 --checkpoint-every 30 --out runs/demo
+	@echo
+	@echo "--- the checkpoint is a model folder: the held-out perplexity, and the same question after"
+	$(BIN)/pyml eval --model runs/demo/step_000030 --data runs/demo-data/held_out.jsonl
+	$(BIN)/pyml generate --model runs/demo/step_000030 --chat --prompt "$(DEMO_QUESTION)" --max-new-tokens 48
 	@echo
 	@echo "--- export it to GGUF for llama.cpp and ollama, and read that file back with transformers:"
-	$(BIN)/pyml export-gguf runs/demo/step_000020 --out runs/demo/smollm2-demo.q8_0.gguf --type q8_0
+	$(BIN)/pyml export-gguf runs/demo/step_000030 --out runs/demo/smollm2-demo.q8_0.gguf --type q8_0
 	$(BIN)/python -c "$$TRANSFORMERS_CHAT" runs/demo/smollm2-demo.q8_0.gguf
 	@echo
 	@echo "--- LoRA: train rank-8 adapters on q and v only (the base frozen; checkpoints hold the adapters):"
@@ -107,7 +117,7 @@ bench-llamacpp: $(STAMP)
 	$(BIN)/pip install --quiet llama-cpp-python==0.3.36
 
 lint: $(STAMP)
-	$(BIN)/ruff check pyml tests bench
+	$(BIN)/ruff check pyml tests bench demo
 
 clean:
 	rm -rf $(VENV) .numba_cache .pytest_cache .hypothesis

@@ -272,7 +272,15 @@ def generate(
 def train(
     spec: Annotated[Path | None, typer.Option(help="The spec to train. Default: the --init folder's spec.toml.")] = None,
     init: Annotated[Path | None, typer.Option(help="Model folder from `pyml import-gguf`: starting weights and, for decoders, the tokenizer (required for decoders).")] = None,
-    data: Annotated[Path | None, typer.Option(help="A text file or folder of .txt/.md/.rst files (decoders). Default: the Python reference docs shipped with CPython (pydoc_data); sequential models use scikit-learn's digits.")] = None,
+    data: Annotated[Path | None, typer.Option(help="A text file or folder of .txt/.md/.rst files, or JSONL examples (a .jsonl file or a folder of them: chats {\"messages\": [...]}, instructions {\"prompt\", \"completion\"} or texts {\"text\"}), for decoders. Default: the Python reference docs shipped with CPython (pydoc_data); sequential models use scikit-learn's digits.")] = None,
+    eval_data: Annotated[Path | None, typer.Option(help="Held-out JSONL examples. Default: a tenth of --data's examples, chosen by --seed.")] = None,
+    train_on: Annotated[str | None, typer.Option(help="JSONL chats and instructions: assistant (the loss on the answers only, the default) or all.")] = None,
+    long_examples: Annotated[str | None, typer.Option(help="JSONL examples longer than --seq: truncate (the default) or drop.")] = None,
+    accumulate: Annotated[int | None, typer.Option(help="Batches of --batch rows whose gradients make one optimizer step (an effective batch N times larger, normalised by its counted targets). Default 1.")] = None,
+    schedule: Annotated[str | None, typer.Option(help="The learning rate's schedule after the warmup: constant (the default), linear (to 0) or cosine (to --min-lr), as transformers' schedules.")] = None,
+    warmup_steps: Annotated[int | None, typer.Option(help="Steps over which the learning rate rises linearly from 0. Default 0.")] = None,
+    min_lr: Annotated[float | None, typer.Option(help="Where the cosine schedule ends. Default 0.")] = None,
+    log: Annotated[str | None, typer.Option(help="tensorboard: write metrics.jsonl's values as TensorBoard events too, into --out/tensorboard/ (needs tensorboardX).")] = None,
     steps: Annotated[int | None, typer.Option(help="Train until this step (counted across resumes). Default 200, or the checkpoint's.")] = None,
     batch: Annotated[int | None, typer.Option(help="Sequences (or examples) per step. Default 2 for decoders, 64 for sequential models.")] = None,
     seq: Annotated[int | None, typer.Option(help="Tokens per sequence (decoders). Default 128.")] = None,
@@ -314,7 +322,9 @@ def train(
             weight_decay=weight_decay, max_grad_norm=max_grad_norm, eval_every=eval_every,
             eval_batches=eval_batches, checkpoint_every=checkpoint_every, seed=seed, dtype=dtype,
             device=device, resume=resume, group=group, lora_rank=lora_rank, lora_alpha=lora_alpha,
-            lora_targets=None if lora_targets is None else parse_targets(lora_targets))
+            lora_targets=None if lora_targets is None else parse_targets(lora_targets),
+            train_on=train_on, long_examples=long_examples, eval_data=eval_data, accumulate=accumulate,
+            schedule=schedule, warmup_steps=warmup_steps, min_lr=min_lr, log=log)
     raise typer.Exit(result.exit_status)
 
 
@@ -331,6 +341,27 @@ def merge_lora(
     from pyml.train.lora import merge_lora as run_merge
 
     print(f"wrote {run_merge(base, adapter, out, overwrite=overwrite)}")
+
+
+@app.command("eval")
+@user_errors
+def evaluate(
+    model: Annotated[Path, typer.Option(help="A model folder (from `pyml import-gguf`, a checkpoint or `pyml merge-lora`).")],
+    data: Annotated[Path, typer.Option(help="What to score: JSONL examples (as `pyml train` reads them) or a text file or folder.")],
+    adapter: Annotated[Path | None, typer.Option(help="A LoRA checkpoint (or peft adapter folder) of --model, folded in first.")] = None,
+    seq: Annotated[int, typer.Option(help="Tokens per row: a text window, or one JSONL example.")] = 128,
+    batch: Annotated[int, typer.Option(help="Rows per forward pass.")] = 2,
+    train_on: Annotated[str | None, typer.Option(help="JSONL chats and instructions: assistant (score the answers only, the default) or all.")] = None,
+    long_examples: Annotated[str | None, typer.Option(help="JSONL examples longer than --seq: truncate (the default) or drop.")] = None,
+    dtype: Annotated[str, typer.Option(help="float32 or float64.")] = "float32",
+) -> None:
+    """Score a model on held-out data: the mean cross-entropy over the targets that training
+    counts, and its perplexity."""
+    from pyml.train.evaluation import evaluate_folder
+
+    result = evaluate_folder(model, data, adapter, seq, batch, train_on, long_examples, dtype)
+    print(f"loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f} over {result['tokens']:,} "
+          f"target tokens in {result['rows']:,} rows of {data}")
 
 
 bench_app = typer.Typer(help="Benchmarks against PyTorch and transformers (results in bench/results/).",

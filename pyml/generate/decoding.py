@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import TextIO
 
 import numpy as np
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from pyml.errors import PymlError
+from pyml.formats.chat_template import ChatTemplate
 from pyml.formats.hf_config import config_mismatches
 from pyml.formats.model_folder import SPEC_FILE, is_adapter_folder
 from pyml.packages import package_for
@@ -69,9 +69,9 @@ def load_decoder_spec(spec_path: Path) -> DecoderModel:
 
 
 def load_model(model_dir: Path, spec_path: Path | None = None, device: str = "cpu",
-               adapter: Path | None = None):
-    """The model of `model_dir` in its generated package; `spec_path` (default: the folder's
-    spec.toml) names the spec, hence the package. `adapter` (a LoRA adapter folder of
+               adapter: Path | None = None, dtype=np.float32):
+    """The model of `model_dir` in its generated package, in `dtype`; `spec_path` (default: the
+    folder's spec.toml) names the spec, hence the package. `adapter` (a LoRA adapter folder of
     `model_dir`) is folded into the weights as `pyml merge-lora` folds it."""
     model_dir = existing_folder(model_dir)
     if is_adapter_folder(model_dir):
@@ -86,10 +86,10 @@ def load_model(model_dir: Path, spec_path: Path | None = None, device: str = "cp
         raise PymlError(f"{model_dir} does not hold the model of {spec_path}: " + "; ".join(mismatches))
     package = package_for(spec_path)
     if adapter is None:
-        return package.Model.from_safetensors(model_dir / "model.safetensors", device=device)
+        return package.Model.from_safetensors(model_dir / "model.safetensors", dtype=dtype, device=device)
     from pyml.train.lora import merged_tensors
 
-    model = package.Model(device=device)
+    model = package.Model(dtype, device)
     model.load_tensors(merged_tensors(model_dir, Path(adapter)), f"{model_dir} with {adapter}")
     return model
 
@@ -127,30 +127,15 @@ def load_tokenizer(model_dir: Path) -> Tokenizer:
         raise PymlError(f"{path}: cannot load the tokenizer ({error})") from None
 
 
-def render_chat(template: str, prompt: str, special_tokens: dict) -> str:
-    """The chat template applied to one user message, as transformers' apply_chat_template does
-    (a sandboxed jinja2 environment with trim_blocks and lstrip_blocks)."""
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-    def raise_exception(message):
-        raise PymlError(f"chat template: {message}")
-
-    environment.globals["raise_exception"] = raise_exception
-    return environment.from_string(template).render(
-        messages=[{"role": "user", "content": prompt}], add_generation_prompt=True, **special_tokens
-    )
-
-
 def prompt_ids(model_dir: Path, tokenizer: Tokenizer, prompt: str, chat: bool) -> list[int]:
     if not chat:
         return tokenizer.encode(prompt).ids
-    config = read_json(model_dir / "tokenizer_config.json")
-    template = config.get("chat_template")
-    if not template:
+    template = ChatTemplate.of_folder(model_dir)
+    if template is None:
         raise PymlError(f"{model_dir} has no chat template (a base model is prompted with plain "
                         "text): drop --chat")
-    special = {key: config[key] for key in ("bos_token", "eos_token") if isinstance(config.get(key), str)}
-    return tokenizer.encode(render_chat(template, prompt, special), add_special_tokens=False).ids
+    text = template.render([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False).ids
 
 
 def eos_ids(model_dir: Path) -> set[int]:

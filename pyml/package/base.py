@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from pyml.errors import PymlError
+from pyml.package.accumulate import loss_and_grads
 from pyml.package.cpu.loss import IGNORED_TARGET
 from pyml.package.cpu.rope import rope_tables
 from pyml.formats.safetensors_io import read_safetensors, write_safetensors
@@ -451,13 +452,15 @@ class AdamW:
         self.exp_avg = model.device.zeros(size)
         self.exp_avg_sq = model.device.zeros(size)
         self.step_count = 0
+        self.grad_norm = None  # the gradient's norm at the last step
 
     def step(self):
         k, grads = self.model.device.kernels, self.model.grads.flat
+        # the norm before clipping, as torch.nn.utils.clip_grad_norm_ returns it (a run's metrics)
+        self.grad_norm = k.adamw_grad_norm(grads)
         if self.max_grad_norm is not None:
             # torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when below 1
-            norm = k.adamw_grad_norm(grads)
-            factor = self.max_grad_norm / (norm + 1e-6)
+            factor = self.max_grad_norm / (self.grad_norm + 1e-6)
             if factor < 1.0:
                 k.adamw_scale(grads, factor)
         self.step_count += 1
@@ -504,10 +507,11 @@ def initial_tensors(table, seed):
     return host
 
 
-def train_step(model, optimizer, inputs, targets):
+def train_step(model, optimizer, inputs, targets, slices=1):
     """Loss and gradients, then one optimizer step; a non-finite loss leaves the weights as they
-    were and raises."""
-    loss = model.loss_and_grads(inputs, targets)
+    were and raises. With `slices` > 1 the batch's rows go through the model that many at a time
+    and their gradients are accumulated (`pyml.package.accumulate`): the same update, less memory."""
+    loss = loss_and_grads(model, inputs, targets, slices)
     if not math.isfinite(loss):
         raise PymlError(
             f"non-finite loss ({loss}) at optimizer step {optimizer.step_count + 1}; "

@@ -29,6 +29,7 @@ from pyml.formats.safetensors_io import read_safetensors, write_safetensors
 from pyml.outputs import atomic_write, os_error, written_folder
 from pyml.train.lora import ADAPTER_MODEL_FILE, read_adapter_tensors, write_adapter_folder
 from pyml.train.loss_curve import LOSS_CURVE_FILE
+from pyml.train.metrics import EVENTS_FOLDER, METRICS_FILE
 
 CHECKPOINT_PREFIX = "step_"
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -54,10 +55,12 @@ def list_checkpoints(out: Path) -> list[Path]:
 
 def is_run_folder(path: Path) -> bool:
     """Whether `path` is an empty folder or one a training run writes: its checkpoints, its loss
-    curve and their temporaries, nothing else (where `pyml train --out` may start or continue)."""
+    curve, its metrics (and their TensorBoard events) and their temporaries, nothing else (where
+    `pyml train --out` may start or continue)."""
     if not Path(path).is_dir():
         return False
-    return all(child.name.startswith((CHECKPOINT_PREFIX, ".")) or child.name == LOSS_CURVE_FILE
+    written = (LOSS_CURVE_FILE, METRICS_FILE, EVENTS_FOLDER)
+    return all(child.name.startswith((CHECKPOINT_PREFIX, ".")) or child.name in written
                for child in Path(path).iterdir())
 
 

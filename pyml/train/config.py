@@ -7,9 +7,13 @@ import math
 from dataclasses import dataclass
 
 from pyml.errors import PymlError
+from pyml.train.metrics import event_writer_class
+from pyml.train.schedule import check_schedule
 
 # Options that fix what a run computes: a resume must use the values the checkpoint was made with.
-FIXED_ON_RESUME = ("batch", "seq", "lr", "weight_decay", "max_grad_norm", "seed", "dtype")
+FIXED_ON_RESUME = ("batch", "seq", "lr", "weight_decay", "max_grad_norm", "seed", "dtype",
+                   "train_on", "long_examples", "eval_data", "accumulate", "schedule",
+                   "warmup_steps", "min_lr")
 # Defaults that differ by model form: a 135M decoder fine-tunes with small batches and a small
 # learning rate; the digits MLP learns from scratch with larger ones.
 FORM_DEFAULTS = {
@@ -26,6 +30,12 @@ COMMON_DEFAULTS = {
     "seed": 0,
     "dtype": "float32",
     "device": "cpu",
+    "train_on": "assistant",  # JSONL chats and instructions: the loss on the answers only
+    "long_examples": "truncate",
+    "accumulate": 1,
+    "schedule": "constant",
+    "warmup_steps": 0,
+    "min_lr": 0.0,
 }
 
 
@@ -49,6 +59,14 @@ class TrainingConfig:
     init: str | None = None
     data: str | None = None
     lora: dict | None = None  # the [lora] table --lora-rank added to the spec: rank, alpha, targets
+    train_on: str = "assistant"  # JSONL examples: targets on the answers, or on every token ("all")
+    long_examples: str = "truncate"  # JSONL examples longer than a window: "truncate" or "drop"
+    eval_data: str | None = None  # held-out data; without it a share of --data is held out
+    accumulate: int = 1  # batches whose gradients make one optimizer step (--batch rows each)
+    schedule: str = "constant"  # the learning rate's schedule (pyml.train.schedule)
+    warmup_steps: int = 0
+    min_lr: float = 0.0  # where the cosine schedule ends
+    log: str | None = None  # "tensorboard": metrics.jsonl's values also as TensorBoard events
     base_weights: str | None = None  # a LoRA run's base_weights_digest of its --init folder
 
 
@@ -64,7 +82,13 @@ def check_config(config: TrainingConfig) -> None:
         value = getattr(config, name)
         if not (value >= 0 and math.isfinite(value)):
             raise PymlError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
+    if config.accumulate is not None and config.accumulate < 1:
+        raise PymlError(f"--accumulate must be at least 1, got {config.accumulate}")
+    check_schedule(config.schedule or "constant", config.warmup_steps or 0, config.min_lr or 0.0,
+                   config.lr, config.steps)
     if config.dtype not in ("float32", "float64"):
         raise PymlError(f"--dtype must be float32 or float64, got {config.dtype}")
+    if config.log is not None:
+        event_writer_class(config.log)
 
 

@@ -1,10 +1,15 @@
-"""The held-out evaluation of a training run: the mean loss (and a classifier's accuracy) over the
-held-out rows, in float64 numpy from the model's logits."""
+"""The held-out evaluation of a training run, and `pyml eval`: the mean loss (and a classifier's
+accuracy) over held-out rows, in float64 numpy from the model's logits, with the training's
+masking rules (only counted targets: for JSONL chats, the answers)."""
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import numpy as np
 
+from pyml.errors import PymlError
 from pyml.package.base import IGNORED_TARGET
 from pyml.train.config import TrainingConfig
 
@@ -19,19 +24,27 @@ def evaluate(model, held_out_pairs: tuple[np.ndarray, np.ndarray], config: Train
     else:
         batch_size = min(config.batch, len(inputs))
         batch_count = min(config.eval_batches, len(inputs) // batch_size)
+    rows = slice(0, batch_count * batch_size)
+    loss_sum, counted, correct = loss_over(model, inputs[rows], targets[rows], batch_size)
+    evaluation = {"loss": loss_sum / counted}
+    if config.seq is None:
+        evaluation["accuracy"] = correct / counted
+    return evaluation
+
+
+def loss_over(model, inputs: np.ndarray, targets: np.ndarray, batch_size: int) -> tuple[float, int, int]:
+    """(summed cross-entropy, targets counted, argmax hits) over every row, `batch_size` rows at
+    a time: what a run's held-out evaluation and `pyml eval` report."""
     loss_sum, counted, correct = 0.0, 0, 0
-    for index in range(batch_count):
-        rows = slice(index * batch_size, (index + 1) * batch_size)
+    for start in range(0, len(inputs), batch_size):
+        rows = slice(start, start + batch_size)
         batch_loss_sum, batch_counted, batch_correct = cross_entropy_sum(
             model.forward(inputs[rows]), targets[rows]
         )
         loss_sum, counted, correct = (
             loss_sum + batch_loss_sum, counted + batch_counted, correct + batch_correct
         )  # fmt: skip
-    evaluation = {"loss": loss_sum / counted}
-    if config.seq is None:
-        evaluation["accuracy"] = correct / counted
-    return evaluation
+    return loss_sum, counted, correct
 
 
 def cross_entropy_sum(logits: np.ndarray, targets: np.ndarray) -> tuple[float, int, int]:
@@ -56,3 +69,30 @@ def describe_evaluation(evaluation: dict) -> str:
     return text
 
 
+def evaluate_folder(model_dir: Path, data: Path, adapter: Path | None = None, seq: int = 128,
+                    batch: int = 2, train_on: str | None = None, long_examples: str | None = None,
+                    dtype: str = "float32") -> dict:
+    """`pyml eval`: the loss and perplexity of the model in `model_dir` (with a LoRA `adapter`
+    folded in) on every row of `data` (text windows of `seq` tokens, or JSONL examples), counted as
+    training counts its targets."""
+    from pyml.generate.decoding import load_model
+    from pyml.train import examples
+    from pyml.train.data import load_corpus
+    from pyml.train.folder_data import FolderTokens
+
+    if seq < 1 or batch < 1:
+        raise PymlError("--seq and --batch must be at least 1")
+    if dtype not in ("float32", "float64"):
+        raise PymlError(f"--dtype must be float32 or float64, got {dtype}")
+    model = load_model(Path(model_dir), adapter=adapter, dtype=np.dtype(dtype))
+    if seq > model.MAX_SEQ_LEN:
+        raise PymlError(f"--seq {seq} exceeds the model's max_seq_len {model.MAX_SEQ_LEN}")
+    tokens = FolderTokens(Path(model_dir), model.VOCAB, model.SPEC_NAME)
+    if examples.is_jsonl(Path(data)):
+        rows = tokens.example_rows(tokens.examples(Path(data), train_on), seq, long_examples)
+        inputs, targets = rows.inputs, rows.targets
+    else:
+        inputs, targets = tokens.text_pairs(load_corpus(Path(data)), seq)
+    loss_sum, counted, _ = loss_over(model, inputs, targets, batch)
+    loss = loss_sum / counted
+    return {"loss": loss, "perplexity": math.exp(loss), "tokens": counted, "rows": len(inputs)}

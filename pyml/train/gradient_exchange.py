@@ -212,6 +212,7 @@ class ShardedAdamW:
         self.exp_avg = model.device.zeros(self.offsets[-1])
         self.exp_avg_sq = model.device.zeros(self.offsets[-1])
         self.step_count = 0
+        self.grad_norm = None  # the whole gradient's norm at the last step
 
     def slices(self):
         """(flat slice, state slice) of every part this rank owns."""
@@ -220,12 +221,12 @@ class ShardedAdamW:
 
     def step(self) -> None:
         k, grads, params = self.model.device.kernels, self.model.grads.flat, self.model.params.flat
+        squares = sum(k.adamw_grad_norm(grads[flat]) ** 2 for flat, _ in self.slices())
+        everyone = self.exchange.world.allgather_floats([squares], "the gradient norm")
+        self.grad_norm = math.sqrt(sum(everyone))
         if self.max_grad_norm is not None:
-            squares = sum(k.adamw_grad_norm(grads[flat]) ** 2 for flat, _ in self.slices())
-            everyone = self.exchange.world.allgather_floats([squares], "the gradient norm")
-            norm = math.sqrt(sum(everyone))
             # torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when below 1
-            factor = self.max_grad_norm / (norm + 1e-6)
+            factor = self.max_grad_norm / (self.grad_norm + 1e-6)
             if factor < 1.0:
                 for flat, _ in self.slices():
                     k.adamw_scale(grads[flat], factor)

@@ -9,7 +9,7 @@ import dataclasses
 import signal
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import closing, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -31,6 +31,8 @@ from pyml.train.data import (
 from pyml.train.distributed import SingleProcess
 from pyml.train.evaluation import describe_evaluation, evaluate
 from pyml.train.loss_curve import LOSS_CURVE_FILE, write_loss_curve
+from pyml.train.metrics import Metrics
+from pyml.train.schedule import learning_rate
 
 
 @dataclass
@@ -74,7 +76,8 @@ def run_training(
     weights."""
     out = Path(out)
     group = group or SingleProcess()
-    group.check_batch(config.batch)
+    slices = config.accumulate or 1  # gradient accumulation: --batch rows at a time
+    group.check_batch(config.batch * slices)
     optimizer = group.optimizer(
         package,
         model,
@@ -84,7 +87,7 @@ def run_training(
     )
     if group.is_root:
         remove_stale_temporaries(out)
-    batches = Batches(train_pairs, config.batch, config.seed)
+    batches = Batches(train_pairs, config.batch * slices, config.seed)
     data_fingerprint = fingerprint(*train_pairs, *held_out_pairs)
     checkpoint = latest_checkpoint(out)
     if resume:
@@ -105,6 +108,7 @@ def run_training(
                 "that run, or choose another --out"
             )
         step, train_losses, evaluations = 0, [], []
+    metrics = Metrics(out, step if resume else None, config.log) if group.is_root else None
 
     def save() -> Path:
         state = {
@@ -121,7 +125,7 @@ def run_training(
             write_loss_curve(out / LOSS_CURVE_FILE, train_losses, evaluations, config)
         return saved
 
-    examples_per_step = config.batch * (config.seq or 1)
+    examples_per_step = config.batch * slices * (config.seq or 1)
     unit = "tok/s" if config.seq else "examples/s"
     # The first step of a run also compiles the kernels and allocates the buffers: the rate
     # shown leaves it out once there are others.
@@ -130,16 +134,19 @@ def run_training(
         tqdm(total=config.steps, initial=step, disable=not (progress and group.is_root),
              unit="step") as bar,
         stop_requested_by_ctrl_c(bar) as stop,
+        closing(metrics) if metrics is not None else nullcontext(),
     ):
         if step == 0 and group.is_root:
             baseline = {"step": 0, **evaluate(model, held_out_pairs, config)}
             evaluations.append(baseline)
+            metrics.evaluation(baseline)
             bar.write(describe_evaluation(baseline))
         while step < config.steps:
             inputs, targets = batches.next_batch()
+            optimizer.lr = learning_rate(config, step + 1)
             started = time.perf_counter()
             try:
-                loss = group.train_step(package, model, optimizer, inputs, targets, stop)
+                loss = group.train_step(package, model, optimizer, inputs, targets, stop, slices)
             except PymlError as error:
                 if group.is_root:
                     write_loss_curve(out / LOSS_CURVE_FILE, train_losses, evaluations, config)
@@ -157,12 +164,16 @@ def run_training(
                 rate = examples_per_step * steps_timed / seconds_timed
             bar.set_postfix_str(f"loss {loss:.4f}, {rate:,.0f} {unit}", refresh=False)
             bar.update()
+            if group.is_root:
+                metrics.step(step, loss, optimizer.lr, optimizer.grad_norm, rate,
+                             "tokens_per_s" if config.seq else "examples_per_s")
             if stop.requested:
                 checkpoint = save()
                 return TrainingResult(step, train_losses, evaluations, checkpoint, stop.signum)
             if group.is_root and (step % config.eval_every == 0 or step == config.steps):
                 evaluation = {"step": step, **evaluate(model, held_out_pairs, config)}
                 evaluations.append(evaluation)
+                metrics.evaluation(evaluation)
                 bar.write(describe_evaluation(evaluation))
             if step % config.checkpoint_every == 0 or step == config.steps:
                 checkpoint = save()

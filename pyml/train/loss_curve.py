@@ -14,6 +14,7 @@ from pathlib import Path
 
 from pyml.errors import PymlError
 from pyml.outputs import atomic_write, os_error
+from pyml.train.schedule import learning_rate
 
 LOSS_CURVE_FILE = "loss.png"  # in a run's --out folder
 
@@ -42,9 +43,14 @@ def describe_settings(config) -> str:
         start += (f", LoRA rank {config.lora['rank']} alpha {config.lora['alpha']:g} on "
                   f"{','.join(config.lora['targets'])}")
     rows = f"{config.batch} x {config.seq} tokens" if config.seq else f"{config.batch} examples"
+    if (config.accumulate or 1) > 1:
+        rows += f", {config.accumulate} accumulated"
     clip = f"clip {config.max_grad_norm:g}" if config.max_grad_norm else "no clipping"
+    schedule = config.schedule or "constant"
+    if config.warmup_steps:
+        schedule += f" after {config.warmup_steps} warmup steps"
     return (
-        f"{config.spec} {start}\nbatch {rows}, AdamW lr {config.lr:g}, weight decay "
+        f"{config.spec} {start}\nbatch {rows}, AdamW lr {config.lr:g} ({schedule}), weight decay "
         f"{config.weight_decay:g}, {clip}, {config.dtype}, seed {config.seed}"
     )
 
@@ -54,10 +60,10 @@ def loss_curve_figure(train_losses: list[float], evaluations: list[dict], config
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
-    per_step = config.batch * (config.seq or 1)
+    per_step = config.batch * (config.accumulate or 1) * (config.seq or 1)
     seen = "tokens seen" if config.seq else "examples seen"
-    figure = Figure(figsize=(9, 5), layout="constrained")
-    axes = figure.add_subplot()
+    figure = Figure(figsize=(9, 6.5), layout="constrained")
+    axes, rate_axes = figure.subplots(2, 1, sharex=True, height_ratios=(4, 1))
     steps = range(1, len(train_losses) + 1)
     axes.plot(steps, train_losses, linewidth=0.7, alpha=0.45, color="C0", label="train")
     window = 2 * smoothing_reach(len(train_losses)) + 1
@@ -66,7 +72,6 @@ def loss_curve_figure(train_losses: list[float], evaluations: list[dict], config
     if evaluations:
         axes.plot([e["step"] for e in evaluations], [e["loss"] for e in evaluations], marker="o",
                   color="C1", label="held-out (step 0: before training)")  # fmt: skip
-    axes.set_xlabel("step")
     axes.set_ylabel("cross-entropy (nats)")
     axes.xaxis.set_major_locator(MaxNLocator(integer=True))
     last = max([len(train_losses), *(e["step"] for e in evaluations)])
@@ -78,6 +83,11 @@ def loss_curve_figure(train_losses: list[float], evaluations: list[dict], config
     axes.grid(alpha=0.3)
     axes.legend()
     axes.set_title(describe_settings(config), fontsize=9)
+    rate_axes.plot(steps, [learning_rate(config, step) for step in steps], color="C2")
+    rate_axes.set_ylabel("learning rate")
+    rate_axes.set_xlabel("step")
+    rate_axes.set_ylim(bottom=0)
+    rate_axes.grid(alpha=0.3)
     return figure
 
 

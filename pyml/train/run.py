@@ -12,7 +12,6 @@ and the data order's position and generator state, and nothing else in the loop 
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from types import ModuleType
 
@@ -22,6 +21,7 @@ from pyml.errors import PymlError
 from pyml.formats.model_folder import folder_files, weights_file
 from pyml.outputs import check_destination
 from pyml.packages import package_for
+from pyml.train import examples
 from pyml.train.checkpoint import (
     is_run_folder,
     latest_checkpoint,
@@ -36,13 +36,10 @@ from pyml.train.config import (
 )
 from pyml.train.data import (
     DEFAULT_CORPUS_NAME,
-    encode_documents,
     load_corpus,
-    next_token_pairs,
-    pack,
     split_documents,
-    start_id,
 )
+from pyml.train.folder_data import FolderTokens
 from pyml.train.loop import TrainingResult, describe_result, run_training
 from pyml.train.lora import LORA_FLAGS, adapter_files, base_weights_digest, lora_settings, lora_spec
 
@@ -70,6 +67,14 @@ def train(
     lora_rank: int | None = None,
     lora_alpha: float | None = None,
     lora_targets: list[str] | None = None,
+    train_on: str | None = None,
+    long_examples: str | None = None,
+    eval_data: Path | None = None,
+    accumulate: int | None = None,
+    schedule: str | None = None,
+    warmup_steps: int | None = None,
+    min_lr: float | None = None,
+    log: str | None = None,
 ) -> TrainingResult:
     """Train the generated package of the spec at `spec_path` (default: the `init` folder's
     spec.toml); options left as None take the checkpoint's values when resuming, else the
@@ -94,6 +99,9 @@ def train(
         "max_grad_norm": max_grad_norm, "eval_every": eval_every, "eval_batches": eval_batches,
         "checkpoint_every": checkpoint_every, "seed": seed, "dtype": dtype, "device": device,
         "init": None if init is None else str(init), "data": None if data is None else str(data),
+        "train_on": train_on, "long_examples": long_examples,
+        "eval_data": None if eval_data is None else str(eval_data), "accumulate": accumulate,
+        "schedule": schedule, "warmup_steps": warmup_steps, "min_lr": min_lr, "log": log,
     }  # fmt: skip
     if resume:
         checkpoint = latest_checkpoint(out)
@@ -101,7 +109,7 @@ def train(
             raise PymlError(f"{out}: no checkpoint to resume from; run without --resume to start")
         base = read_state(checkpoint)["config"]
         for name in FIXED_ON_RESUME:
-            if given.get(name) is not None and given[name] != base[name]:
+            if given.get(name) is not None and given[name] != base.get(name):
                 raise PymlError(
                     f"--{name.replace('_', '-')} {given[name]} differs from the checkpoint's "
                     f"{base[name]} ({checkpoint}); leave it out to resume, or start a new --out"
@@ -212,10 +220,9 @@ def digits_pairs(config: TrainingConfig, package: ModuleType):
 
 
 def text_pairs(config: TrainingConfig, package: ModuleType):
-    """Train and held-out (input ids, target ids) of the corpus, split by document, tokenised
-    with the `--init` folder's tokenizer, packed into sequences of `config.seq` tokens."""
-    from tokenizers import Tokenizer
-
+    """Train and held-out (input ids, target ids) of --data as the `--init` folder tokenises it:
+    text documents split by document and packed into windows of `config.seq` tokens, or JSONL
+    examples one per row, held out by example or from --eval-data."""
     spec_model = package.model
     if config.init is None:
         raise PymlError(
@@ -226,37 +233,35 @@ def text_pairs(config: TrainingConfig, package: ModuleType):
         raise PymlError(
             f"--seq {config.seq} exceeds spec '{config.spec}''s max_seq_len {spec_model.MAX_SEQ_LEN}"
         )
-    init = Path(config.init)
-    tokenizer_path, config_path = init / "tokenizer.json", init / "config.json"
-    for path in (tokenizer_path, config_path):
-        if not path.is_file():
-            raise PymlError(
-                f"{path}: missing; --init must be a model folder from `pyml import-gguf`"
-            )
-    tokenizer = Tokenizer.from_file(str(tokenizer_path))
-    if tokenizer.get_vocab_size() > spec_model.VOCAB:
-        raise PymlError(
-            f"{tokenizer_path} has {tokenizer.get_vocab_size()} tokens, more than spec "
-            f"'{config.spec}''s vocabulary of {spec_model.VOCAB}"
-        )
-    eos_id = json.loads(config_path.read_text(encoding="utf-8")).get("eos_token_id")
-    if not isinstance(eos_id, int):
-        raise PymlError(f"{config_path}: no integer eos_token_id to end each document with")
-
-    def encode_batch(texts: list[str]) -> list[list[int]]:
-        # framed as the tokenizer frames any text: Gemma's starts each document with <bos>
-        return [encoding.ids for encoding in tokenizer.encode_batch(texts)]
-
-    start = start_id(lambda text, special: tokenizer.encode(text, add_special_tokens=special).ids)
+    tokens = FolderTokens(Path(config.init), spec_model.VOCAB, config.spec)
+    if config.data is not None and examples.is_jsonl(Path(config.data)):
+        return example_pairs(config, tokens)
+    if config.eval_data is not None:
+        raise PymlError("--eval-data holds JSONL examples, for JSONL --data")
     documents = load_corpus(None if config.data is None else Path(config.data))
     train_documents, held_out_documents = split_documents(documents, seed=config.seed)
-    train_ids = encode_documents(train_documents, encode_batch, eos_id)
-    held_out_ids = encode_documents(held_out_documents, encode_batch, eos_id)
+    train, held_out = (tokens.text_pairs(chosen, config.seq) for chosen in (train_documents, held_out_documents))
     print(
         f"data: {config.data or DEFAULT_CORPUS_NAME}: {len(train_documents)} train documents "
-        f"({len(train_ids):,} tokens), {len(held_out_documents)} held out "
-        f"({len(held_out_ids):,} tokens)"
+        f"({len(train[0]):,} windows), {len(held_out_documents)} held out ({len(held_out[0]):,} windows)"
     )
-    return next_token_pairs(pack(train_ids, config.seq, start)), next_token_pairs(
-        pack(held_out_ids, config.seq, start)
+    return train, held_out
+
+
+def example_pairs(config: TrainingConfig, tokens: FolderTokens):
+    """Train and held-out (inputs, targets) of JSONL examples (`pyml.train.examples`): one row per
+    example, the loss on the answers unless --train-on all."""
+    train_examples = tokens.examples(Path(config.data), config.train_on)
+    if config.eval_data is not None:
+        held_out_examples = tokens.examples(Path(config.eval_data), config.train_on)
+    else:
+        train_examples, held_out_examples = examples.split_examples(train_examples, 0.1, config.seed)
+    train_rows, held_out_rows = (tokens.example_rows(chosen, config.seq, config.long_examples)
+                                 for chosen in (train_examples, held_out_examples))
+    print(
+        f"data: {config.data}: {len(train_rows.inputs)} train examples ({train_rows.target_count:,} "
+        f"target tokens), {len(held_out_rows.inputs)} held out ({held_out_rows.target_count:,}); "
+        f"{train_rows.truncated} truncated to --seq {config.seq}, {train_rows.dropped} dropped "
+        f"(--long-examples {config.long_examples or 'truncate'})"
     )
+    return (train_rows.inputs, train_rows.targets), (held_out_rows.inputs, held_out_rows.targets)

@@ -70,7 +70,7 @@ def config(run) -> TrainingConfig:
         lr=3e-3 if decoder else 1e-3, weight_decay=0.01, max_grad_norm=1.0 if decoder else 0.1,
         eval_every=run.get("eval_every", 5), eval_batches=2,
         checkpoint_every=run.get("checkpoint_every", 5), seed=0, dtype="float64", device="cpu",
-        lora=run.get("lora"),
+        lora=run.get("lora"), accumulate=run.get("accumulate", 1),
     )  # fmt: skip
 
 

@@ -176,7 +176,7 @@ def test_stale_temporaries_are_removed_at_the_next_run_and_said(user, tmp_path):
                   tiny_text(tmp_path / "text.txt"), "--steps", "1", "--batch", "1", "--seq", "16",
                   "--eval-batches", "1", "--out", out, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert sorted(path.name for path in out.iterdir()) == ["loss.png", "step_000001"]
+    assert sorted(path.name for path in out.iterdir()) == ["loss.png", "metrics.jsonl", "step_000001"]
     assert result.stderr.count("left by an earlier run that was stopped while writing") == 2
 
 

@@ -104,6 +104,11 @@ def two_ranks(tmp_path_factory):
         "first_half": run(folder, "first_half", **{**DECODER, "steps": 5}),
         "first_half_copy": run(folder, "first_half_copy", shard=True, **{**DECODER, "steps": 5}),
         "resumed": run(folder, "first_half", resume=True, **DECODER),
+        # gradient accumulation: 3 rows a step in 3 slices of 1 row (each rank's 1 or 2 rows in
+        # 3 slices: an empty slice on one rank), LoRA adapters, and the sharded optimizer
+        "accumulated": run(folder, "accumulated", accumulate=3, **{**DECODER, "batch": 1}),
+        "lora_accumulated": run(folder, "lora_accumulated", lora=LORA, base=lora_base(folder),
+                                accumulate=3, shard=True, **{**DECODER, "batch": 1}),
         # the same with the optimizer state sharded: saved gathered, resumed scattered again
         "sharded_first_half": run(folder, "sharded_first_half", shard=True, **{**DECODER, "steps": 5}),
         "sharded_resumed": run(folder, "sharded_first_half", shard=True, resume=True, **DECODER),
@@ -118,6 +123,17 @@ def references(two_ranks, tmp_path_factory):
     folder = tmp_path_factory.mktemp("one_rank")
     _, runs, _ = two_ranks
     return {name: one_rank(runs[name], folder / name) for name in ("decoder", "mlp", "lora")}
+
+
+def test_accumulated_steps_on_two_ranks_are_the_large_batch_on_one(two_ranks, references):
+    """--accumulate 3 of --batch 1 is --batch 3: the losses and weights of one rank's unaccumulated
+    run, with LoRA and a sharded optimizer too."""
+    _, runs, _ = two_ranks
+    for name, reference in (("accumulated", "decoder"), ("lora_accumulated", "lora")):
+        ours, weights = result(runs[name])
+        theirs, reference_weights = references[reference]
+        assert_close(ours["losses"], theirs["losses"])
+        assert_close(weights, reference_weights)
 
 
 @pytest.mark.parametrize("name, reference", [

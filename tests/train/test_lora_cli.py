@@ -23,6 +23,9 @@ from pyml.formats.safetensors_io import read_safetensors, write_safetensors
 from pyml.generate import decoding as generation
 from pyml.train.checkpoint import read_state
 from pyml.train.config import TrainingConfig
+from pyml.train.data import load_corpus
+from pyml.train.evaluation import evaluate_folder
+from pyml.train.folder_data import FolderTokens
 from pyml.train.lora import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_MODEL_FILE,
@@ -106,6 +109,22 @@ def test_peft_loads_the_checkpoint_with_our_logits(tiny_folders, lora_run, monke
     assert not np.allclose(expected, base_logits, rtol=1e-6)  # the adapters changed the model
     ours = tiny_lora_model(init, checkpoint).forward(ids)
     np.testing.assert_allclose(ours, expected, rtol=1e-9, atol=1e-12)
+
+
+def test_eval_with_an_adapter_is_peft_loss(tiny_folders, lora_run, tmp_path, monkeypatch):
+    """`pyml eval --adapter` scores the base with the adapters folded in, as peft computes it."""
+    checkpoint, init = lora_run.checkpoint, tiny_folders["llama"]
+    text = tiny_text(tmp_path / "text.txt")
+    result = evaluate_folder(init, text, adapter=checkpoint, seq=16, batch=4, dtype="float64")
+    inputs, targets = FolderTokens(init, 96, "llama_tiny").text_pairs(load_corpus(text), 16)
+    reference = PeftModel.from_pretrained(llama_in_float64(init, monkeypatch), checkpoint).eval()
+    with torch.no_grad():
+        logits = reference(torch.tensor(inputs)).logits
+    expected = float(torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                       torch.tensor(targets).reshape(-1)))
+    # folded as merge-lora folds, into the base's float32 weights: float32's rounding, not float64's
+    assert result["loss"] == pytest.approx(expected, rel=1e-7)
+    assert result["loss"] != pytest.approx(evaluate_folder(init, text, seq=16, dtype="float64")["loss"])
 
 
 def test_merge_lora_folder_has_the_logits_of_peft_merge_and_unload(tiny_folders, lora_run,

@@ -1,0 +1,55 @@
+"""A model folder's chat template: conversations rendered to text as transformers renders them.
+
+The template is the Jinja source in tokenizer_config.json (`chat_template`), rendered as
+transformers' `apply_chat_template` renders it: a sandboxed environment with trim_blocks and
+lstrip_blocks, the special tokens (`bos_token`, `eos_token`) as variables, and
+`raise_exception` for the template's own checks. The text is then tokenised without adding
+special tokens: the template writes the ones it wants.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from pyml.errors import PymlError
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    source: str
+    special_tokens: dict[str, str]  # bos_token, eos_token: what the template may write
+    where: str  # for messages: the folder it came from
+
+    @classmethod
+    def of_folder(cls, model_dir: Path) -> ChatTemplate | None:
+        """The folder's template, or None when it has none (a base model)."""
+        path = Path(model_dir) / "tokenizer_config.json"
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:
+            raise PymlError(f"{path}: cannot read the tokenizer config ({error})") from None
+        source = config.get("chat_template")
+        if not isinstance(source, str) or not source:
+            return None
+        special = {key: config[key] for key in ("bos_token", "eos_token") if isinstance(config.get(key), str)}
+        return cls(source, special, str(model_dir))
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message):
+            raise PymlError(f"the chat template of {self.where} refuses the conversation: {message}")
+
+        environment.globals["raise_exception"] = raise_exception
+        try:
+            return environment.from_string(self.source).render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        except TemplateError as error:
+            raise PymlError(f"the chat template of {self.where} failed: {error}") from None

@@ -1,0 +1,241 @@
+"""Supervised fine-tuning data: JSONL conversations, instructions or texts, tokenised with the
+loss on the answers only.
+
+Each line of a `.jsonl` file is one example, in one of three shapes (one shape per file):
+
+    {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}   a chat
+    {"prompt": "...", "completion": "..."}                                         an instruction
+    {"text": "..."}                                                                a text
+
+A chat is rendered with the model folder's chat template (`pyml.formats.chat_template`). Its
+assistant tokens are found by rendering the conversation's prefixes and comparing token ids, not by
+markers a template may lack: the tokens the template adds for assistant turn i are those of
+`messages[:i + 1]` past those of `messages[:i]` with the generation prompt, and they must be a
+prefix of the whole conversation's tokens (a template that rewrites earlier turns is refused).
+Each turn's targets are its content and the special token that ends the turn; what the template
+writes after it (a newline) is not a target. An instruction is the prompt (framed as the
+tokenizer frames any text) followed by the completion and the end-of-text token; a text is all
+targets. `--train-on all` makes every token a target.
+
+Each example becomes one row of `seq + 1` tokens (inputs and next-token targets), padded after its
+end: under a causal mask no token attends to the padding after it, so a row computes exactly what
+the example alone would. Examples longer than a row are truncated or dropped (`--long-examples`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from pyml.errors import PymlError
+from pyml.formats.chat_template import ROLES, ChatTemplate
+from pyml.package.cpu.loss import IGNORED_TARGET
+
+SHAPES = {"chat": ("messages",), "instruction": ("prompt", "completion"), "text": ("text",)}
+TRAIN_ON = ("assistant", "all")
+LONG_EXAMPLES = ("truncate", "drop")
+
+
+@dataclass(frozen=True)
+class Example:
+    where: str  # file:line
+    ids: list[int]
+    targets: list[bool]  # whether token i is a target (predicted from the tokens before it)
+
+
+@dataclass(frozen=True)
+class Record:
+    where: str
+    shape: str
+    value: dict
+
+
+def is_jsonl(data: Path) -> bool:
+    """Whether `--data` names examples (a .jsonl file, or a folder of them) rather than text."""
+    data = Path(data)
+    if data.is_file():
+        return data.suffix == ".jsonl"
+    return data.is_dir() and any(path.suffix == ".jsonl" for path in data.rglob("*") if path.is_file())
+
+
+def jsonl_files(data: Path) -> list[Path]:
+    data = Path(data)
+    if data.is_file():
+        return [data]
+    files = sorted(path for path in data.rglob("*") if path.is_file())
+    jsonl = [path for path in files if path.suffix == ".jsonl"]
+    others = [path for path in files if path.suffix in (".txt", ".md", ".rst")]
+    if others:
+        raise PymlError(f"{data} mixes JSONL examples ({jsonl[0].name}) with text files "
+                        f"({others[0].name}): give one kind of data")
+    return jsonl
+
+
+def read_records(path: Path) -> list[Record]:
+    """The examples of one JSONL file, each checked for its shape; every line has the same one."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as error:
+        raise PymlError(f"{path}: not UTF-8 text (byte {error.start})") from None
+    except OSError as error:
+        raise PymlError(f"{path}: cannot read: {error.strerror}") from None
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            value = json.loads(line)
+        except ValueError as error:
+            raise PymlError(f"{where}: not JSON ({error.msg} at column {error.colno})") from None
+        records.append(Record(where, shape_of(value, where), value))
+    if not records:
+        raise PymlError(f"{path}: holds no examples")
+    first = records[0]
+    for record in records[1:]:
+        if record.shape != first.shape:
+            raise PymlError(f"{record.where}: a {record.shape} example in a file of {first.shape} "
+                            f"examples ({first.where}): one shape per file")
+    return records
+
+
+def shape_of(value: object, where: str) -> str:
+    if isinstance(value, dict):
+        for shape, keys in SHAPES.items():
+            if all(key in value for key in keys):
+                check_fields(value, shape, where)
+                return shape
+    raise PymlError(f"{where}: an example is an object with \"messages\", \"prompt\" and "
+                    "\"completion\", or \"text\"")
+
+
+def check_fields(value: dict, shape: str, where: str) -> None:
+    if shape != "chat":
+        for key in SHAPES[shape]:
+            if not isinstance(value[key], str):
+                raise PymlError(f"{where}: \"{key}\" must be a string")
+        return
+    messages = value["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise PymlError(f"{where}: \"messages\" must be a non-empty list of messages")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("content"), str):
+            raise PymlError(f"{where}: messages[{index}] must have a string \"content\"")
+        if message.get("role") not in ROLES:
+            raise PymlError(f"{where}: messages[{index}] has role {message.get('role')!r}; the roles "
+                            f"are {', '.join(ROLES)}")
+
+
+class Tokenization:
+    """What turns a record into an Example: the folder's tokenizer, chat template and end-of-text
+    id, and whether only the answers are targets."""
+
+    def __init__(self, tokenizer, template: ChatTemplate | None, eos_id: int, train_on: str):
+        if train_on not in TRAIN_ON:
+            raise PymlError(f"--train-on must be one of {', '.join(TRAIN_ON)}, not {train_on!r}")
+        self.tokenizer, self.template, self.eos_id = tokenizer, template, eos_id
+        self.train_on = train_on
+        self.special_ids = {index for index, token in tokenizer.get_added_tokens_decoder().items()
+                            if token.special}
+
+    def encode(self, text: str, framed: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=framed).ids
+
+    def example(self, record: Record) -> Example:
+        value, where = record.value, record.where
+        if record.shape == "text":
+            ids = self.encode(value["text"], framed=True) + [self.eos_id]
+            return Example(where, ids, [True] * len(ids))
+        if record.shape == "instruction":
+            prompt = self.encode(value["prompt"], framed=True)
+            answer = self.encode(value["completion"]) + [self.eos_id]
+            everything = self.train_on == "all"
+            return Example(where, prompt + answer, [everything] * len(prompt) + [True] * len(answer))
+        return self.chat(value["messages"], where)
+
+    def chat(self, messages: list[dict], where: str) -> Example:
+        if self.template is None:
+            raise PymlError(f"{where}: a chat example, but the model folder has no chat template "
+                            "(a base model): give {\"text\"} or {\"prompt\", \"completion\"} examples")
+        ids = self.encode(self.template.render(messages, add_generation_prompt=False))
+        if self.train_on == "all":
+            return Example(where, ids, [True] * len(ids))
+        targets = [False] * len(ids)
+        turns = [index for index, message in enumerate(messages) if message["role"] == "assistant"]
+        if not turns:
+            raise PymlError(f"{where}: no assistant turn to train on (or train with --train-on all)")
+        for index in turns:
+            before = self.encode(self.template.render(messages[:index], add_generation_prompt=True))
+            through = self.encode(self.template.render(messages[: index + 1], add_generation_prompt=False))
+            if through[: len(before)] != before or ids[: len(through)] != through:
+                raise PymlError(
+                    f"{where}: the chat template does not render this conversation's turns as "
+                    f"prefixes of the whole (assistant turn messages[{index}]), so its tokens cannot "
+                    "be found: the template rewrites earlier turns")
+            span = range(len(before), len(through))
+            ends = [position for position in span if ids[position] in self.special_ids]
+            for position in span if not ends else range(span.start, ends[-1] + 1):
+                targets[position] = True
+        return Example(where, ids, targets)
+
+
+@dataclass(frozen=True)
+class Rows:
+    inputs: np.ndarray  # (n, seq) int64
+    targets: np.ndarray  # (n, seq) int64, IGNORED_TARGET where nothing is predicted
+    truncated: int
+    dropped: int
+
+    @property
+    def target_count(self) -> int:
+        return int(np.count_nonzero(self.targets != IGNORED_TARGET))
+
+
+def rows(examples: list[Example], seq: int, pad_id: int, long_examples: str) -> Rows:
+    """One row per example: inputs ids[:-1] and targets ids[1:] (where targeted), padded to `seq`;
+    an example longer than seq + 1 tokens is truncated or dropped, and one left with no target is
+    dropped."""
+    if long_examples not in LONG_EXAMPLES:
+        raise PymlError(f"--long-examples must be one of {', '.join(LONG_EXAMPLES)}, not {long_examples!r}")
+    inputs, targets, truncated, dropped = [], [], 0, 0
+    for example in examples:
+        ids, targeted = example.ids, example.targets
+        if len(ids) > seq + 1:
+            if long_examples == "drop":
+                dropped += 1
+                continue
+            ids, targeted, truncated = ids[: seq + 1], targeted[: seq + 1], truncated + 1
+        if not any(targeted[1:]):
+            dropped += 1
+            continue
+        row_inputs = np.full(seq, pad_id, dtype=np.int64)
+        row_targets = np.full(seq, IGNORED_TARGET, dtype=np.int64)
+        row_inputs[: len(ids) - 1] = ids[:-1]
+        for position in range(1, len(ids)):
+            if targeted[position]:
+                row_targets[position - 1] = ids[position]
+        inputs.append(row_inputs)
+        targets.append(row_targets)
+    if not inputs:
+        raise PymlError(f"no example fits a window of {seq} tokens with a target in it "
+                        f"({dropped} dropped): use a longer --seq or --long-examples truncate")
+    return Rows(np.stack(inputs), np.stack(targets), truncated, dropped)
+
+
+def split_examples(examples: list[Example], held_out_fraction: float, seed: int
+                   ) -> tuple[list[Example], list[Example]]:
+    """(train, held-out): a seeded choice of whole examples, at least one on each side."""
+    if len(examples) < 2:
+        raise PymlError(f"{examples[0].where if examples else 'the data'}: one example cannot be "
+                        "split into training and held-out data: give more, or --eval-data")
+    count = min(len(examples) - 1, max(1, round(held_out_fraction * len(examples))))
+    held_out = set(np.random.default_rng(seed).permutation(len(examples))[:count].tolist())
+    return ([example for index, example in enumerate(examples) if index not in held_out],
+            [example for index, example in enumerate(examples) if index in held_out])
+
+
+def load_examples(data: Path, tokenization: Tokenization) -> list[Example]:
+    return [tokenization.example(record) for path in jsonl_files(data) for record in read_records(path)]

@@ -1,0 +1,213 @@
+"""JSONL fine-tuning data (`pyml/train/examples.py`): the loss on the answers only, found by
+rendering the conversation's prefixes with the folder's own chat template; one row per example,
+padded so that a row computes exactly what the example alone does; bad data named by file and
+line, before anything runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer
+
+from pyml.errors import PymlError
+from pyml.formats.chat_template import ChatTemplate
+from pyml.package.cpu.loss import IGNORED_TARGET
+from pyml.train import examples
+from tests.support.chat_templates import GEMMA3_IT
+from tests.support.project_packages import project_package
+
+ROOT = Path(__file__).resolve().parents[2]
+CONVERSATION = [
+    {"role": "system", "content": "Answer in one sentence."},
+    {"role": "user", "content": "What does the with statement do?"},
+    {"role": "assistant", "content": "It wraps a block in a context manager's enter and exit."},
+    {"role": "user", "content": "And for   files?\n\nThanks."},
+    {"role": "assistant", "content": "The file is closed when the block ends, 2 lines or 200."},
+]
+END_OF_TURN = {"smollm2": "<|im_end|>", "gemma3": "<end_of_turn>"}
+
+
+def folder_with_template(source: Path, folder: Path, template: str | None) -> Path:
+    """The tokenizer files of `source`, with `template` as the chat template (None: keep its own)."""
+    folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(source / name, folder / name)
+    if template is not None:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": template}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def families(smollm2_folder, gemma3_dir, tmp_path_factory) -> dict[str, Path]:
+    """SmolLM2's folder with its own template; Gemma 3's with its instruction-tuned template."""
+    root = tmp_path_factory.mktemp("templates")
+    return {"smollm2": smollm2_folder, "gemma3": folder_with_template(gemma3_dir, root / "gemma3", GEMMA3_IT)}
+
+
+def tokenization(folder: Path, train_on: str = "assistant") -> examples.Tokenization:
+    eos = json.loads((folder / "config.json").read_text())["eos_token_id"]
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    return examples.Tokenization(tokenizer, ChatTemplate.of_folder(folder), eos, train_on)
+
+
+def target_runs(example: examples.Example) -> list[list[int]]:
+    """The targeted token ids, in contiguous runs."""
+    runs, previous = [], False
+    for token, targeted in zip(example.ids, example.targets):
+        if targeted:
+            if not previous:
+                runs.append([])
+            runs[-1].append(token)
+        previous = targeted
+    return runs
+
+
+@pytest.mark.parametrize("family", ["smollm2", "gemma3"])
+def test_the_targets_are_each_answer_and_its_end_of_turn(families, family):
+    """Multi-turn, with a system prompt: the kept tokens decode to exactly each assistant message
+    followed by its end-of-turn token; no system or user text is a target."""
+    tokens = tokenization(families[family])
+    example = tokens.example(examples.Record("chat.jsonl:1", "chat", {"messages": CONVERSATION}))
+    answers = [message["content"] for message in CONVERSATION if message["role"] == "assistant"]
+    decoded = [tokens.tokenizer.decode(run, skip_special_tokens=False) for run in target_runs(example)]
+    assert decoded == [answer + END_OF_TURN[family] for answer in answers]
+    # the whole is the template's rendering, tokenised as `pyml generate --chat` tokenises it
+    whole = ChatTemplate.of_folder(families[family]).render(CONVERSATION, add_generation_prompt=False)
+    assert example.ids == tokens.tokenizer.encode(whole, add_special_tokens=False).ids
+
+
+def test_train_on_all_targets_every_token(families):
+    tokens = tokenization(families["smollm2"], train_on="all")
+    example = tokens.example(examples.Record("chat.jsonl:1", "chat", {"messages": CONVERSATION}))
+    assert all(example.targets)
+
+
+def test_instructions_target_the_completion_and_texts_everything(families):
+    tokens = tokenization(families["gemma3"])
+    instruction = tokens.example(examples.Record(
+        "i.jsonl:1", "instruction", {"prompt": "Two and two make", "completion": " four."}))
+    (run,) = target_runs(instruction)
+    assert tokens.tokenizer.decode(run, skip_special_tokens=False) == " four.<eos>"
+    assert instruction.ids[0] == 2  # the prompt framed as Gemma frames any text: <bos>
+    text = tokens.example(examples.Record("t.jsonl:1", "text", {"text": "Plain text."}))
+    assert all(text.targets) and text.ids[-1] == tokens.eos_id
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(families, tmp_path):
+    # renders only the last two messages: the whole is no extension of its prefixes
+    rewriting = ("{% for m in messages[-2:] %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    folder = folder_with_template(families["smollm2"], tmp_path / "rewriting", rewriting)
+    with pytest.raises(PymlError, match=r"chat.jsonl:7: the chat template does not render this "
+                                        r"conversation's turns as prefixes of the whole"):
+        tokenization(folder).example(examples.Record("chat.jsonl:7", "chat", {"messages": CONVERSATION}))
+
+
+def test_a_padded_row_computes_what_the_example_alone_does():
+    """Under the causal mask nothing attends to the padding after an example: the loss and every
+    gradient of a padded row equal those of the example on its own (float64)."""
+    llama = project_package("llama_tiny")
+    model = llama.Model.initialized(seed=0, dtype=np.float64)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, llama.model.VOCAB, 9).tolist()
+    example = examples.Example("x:1", ids, [False, False, False] + [True] * 6)
+    rows = examples.rows([example], seq=16, pad_id=0, long_examples="truncate")
+    padded_loss = model.loss_and_grads(rows.inputs, rows.targets)
+    padded_grads = model.grads.flat.copy()
+    targets = np.array([[t if keep else IGNORED_TARGET for t, keep in zip(ids[1:], example.targets[1:])]])
+    alone_loss = model.loss_and_grads(np.array([ids[:-1]]), targets)
+    assert padded_loss == pytest.approx(alone_loss, rel=1e-12)
+    np.testing.assert_allclose(padded_grads, model.grads.flat, rtol=1e-10, atol=1e-14)
+
+
+def test_long_examples_are_truncated_or_dropped_and_counted():
+    long = examples.Example("x:1", list(range(30)), [False] * 5 + [True] * 25)
+    short = examples.Example("x:2", list(range(5)), [False, True, True, True, True])
+    truncated = examples.rows([long, short], seq=10, pad_id=0, long_examples="truncate")
+    assert (truncated.truncated, truncated.dropped, len(truncated.inputs)) == (1, 0, 2)
+    assert truncated.inputs[0].tolist() == list(range(10))
+    assert truncated.targets[0].tolist() == [IGNORED_TARGET] * 4 + list(range(5, 11))
+    assert truncated.targets[1].tolist() == [1, 2, 3, 4] + [IGNORED_TARGET] * 6
+    dropped = examples.rows([long, short], seq=10, pad_id=0, long_examples="drop")
+    assert (dropped.truncated, dropped.dropped, len(dropped.inputs)) == (0, 1, 1)
+
+
+BAD_DATA = {
+    "not JSON": ('{"messages": [}', "bad.jsonl:1: not JSON"),
+    "unknown role": (json.dumps({"messages": [{"role": "robot", "content": "hi"}]}),
+                     "bad.jsonl:1: messages[0] has role 'robot'; the roles are system, user, assistant"),
+    "empty conversation": (json.dumps({"messages": []}),
+                           "bad.jsonl:1: \"messages\" must be a non-empty list of messages"),
+    "no assistant turn": (json.dumps({"messages": [{"role": "user", "content": "hi"}]}),
+                          "bad.jsonl:1: no assistant turn to train on"),
+    "mixed shapes": (json.dumps({"messages": CONVERSATION[1:3]}) + "\n" + json.dumps({"text": "x"}),
+                     "bad.jsonl:2: a text example in a file of chat examples (bad.jsonl:1)"),
+    "unknown shape": (json.dumps({"question": "?", "answer": "!"}), "bad.jsonl:1: an example is an object"),
+    "window too small": ("\n".join([json.dumps({"messages": CONVERSATION})] * 3),
+                         "no example fits a window of 8 tokens with a target in it"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DATA))
+def test_bad_data_is_named_by_file_and_line_and_nothing_is_written(tiny_folders, tmp_path, case):
+    content, message = BAD_DATA[case]
+    (tmp_path / "bad.jsonl").write_text(content + "\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run(
+        [sys.executable, "-m", "pyml.cli", "train", "--spec", str(ROOT / "specs" / "llama_tiny.toml"),
+         "--init", str(tiny_folders["llama"]), "--data", "bad.jsonl", "--seq", "8", "--long-examples",
+         "drop", "--out", "run"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr[-2000:]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["bad.jsonl"]
+
+
+def test_a_tiny_chat_fine_tune_runs_end_to_end(tiny_folders, tmp_path):
+    """`pyml train --data chats.jsonl`: answers-only targets, a held-out share, checkpoints."""
+    from pyml.train.run import train
+
+    chats = tmp_path / "chats.jsonl"
+    lines = [json.dumps({"messages": [{"role": "user", "content": f"the cat {n}"},
+                                      {"role": "assistant", "content": f"sat on the mat {n}"}]})
+             for n in range(20)]
+    chats.write_text("\n".join(lines) + "\n")
+    result = train(ROOT / "specs" / "llama_tiny.toml", init=tiny_folders["llama"], data=chats, steps=2,
+                   batch=2, seq=32, eval_every=1, eval_batches=1, out=tmp_path / "run", progress=False)
+    assert result.step == 2 and result.checkpoint is not None
+    assert all(np.isfinite(evaluation["loss"]) for evaluation in result.evaluations)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["smollm2", "gemma3"])
+def test_a_real_model_learns_its_chats_and_training_scores_them_as_pyml_eval_does(
+        families, family, gemma3_dir, tmp_path):
+    """Full fine-tuning of the real model on four chats (Gemma 3 with its instruction-tuned
+    template): two batches per step and a cosine schedule, the chats held out as well, so their
+    loss must fall; the run's last held-out loss is what `pyml eval` gives for its checkpoint."""
+    from pyml.train.evaluation import evaluate_folder
+    from pyml.train.run import train
+
+    folder = families[family]
+    if family == "gemma3":  # the template's folder, with the imported model's weights and spec
+        folder = shutil.copytree(folder, tmp_path / "model")
+        for name in ("model.safetensors", "spec.toml"):
+            (folder / name).symlink_to(gemma3_dir / name)
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": CONVERSATION[:3] if n % 2 else CONVERSATION}) + "\n"
+                             for n in range(4)), encoding="utf-8")
+    result = train(None, init=folder, data=chats, eval_data=chats, steps=4, batch=1, accumulate=2, seq=64,
+                   lr=1e-4, schedule="cosine", warmup_steps=1, eval_every=4, eval_batches=4,
+                   checkpoint_every=4, out=tmp_path / "run", progress=False)
+    before, after = result.evaluations[0]["loss"], result.evaluations[-1]["loss"]
+    assert after < before - 0.1
+    scored = evaluate_folder(result.checkpoint, chats, seq=64, batch=1)
+    assert scored["loss"] == pytest.approx(after, rel=1e-6)
