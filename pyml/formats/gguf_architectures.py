@@ -1,4 +1,4 @@
-"""What a llama or gemma3 GGUF means: its hyper-parameters, tensors, Hugging Face form and spec.
+"""What a llama, qwen2 or gemma3 GGUF means: its hyper-parameters, tensors, Hugging Face form and spec.
 
 A GGUF names its architecture in `general.architecture` and keeps the hyper-parameters under
 `{architecture}.*` metadata keys; what the file does not state, llama.cpp fixes per architecture
@@ -10,7 +10,8 @@ Hugging Face config.json, and the pyml spec of the model.
 
 The two changes llama.cpp's converter (convert_hf_to_gguf.py) makes, which we undo:
 - llama: the Q and K rows of each head are reordered so that rotary pairs are neighbours
-  (its `permute`); Hugging Face rotates the halves of each head, so we put the rows back.
+  (its `permute`); Hugging Face rotates the halves of each head, so we put the rows back. qwen2
+  is converted without the reordering: llama.cpp rotates it in the NEOX (halves) layout.
 - gemma3: Gemma's RMSNorm multiplies by (1 + w); the converter stores 1 + w so that llama.cpp can
   multiply by the stored gain, and transformers' GGUF loader subtracts 1 again (in float32). We do
   the same, so our weights equal transformers'. Gemma's Q and K rows are not reordered: llama.cpp
@@ -27,7 +28,7 @@ import numpy as np
 from pyml.errors import PymlError
 from pyml.formats.gguf_read import GGUFFile
 
-SUPPORTED = ("llama", "gemma3")
+SUPPORTED = ("llama", "qwen2", "gemma3")
 
 # GGUF -> Hugging Face names of the tensors outside the blocks, for both architectures.
 GLOBAL_NAMES = {
@@ -102,6 +103,8 @@ def architecture_of(gguf: GGUFFile) -> Llama:
     architecture = gguf.metadata.get("general.architecture")
     if architecture == "llama":
         return Llama(gguf)
+    if architecture == "qwen2":
+        return Qwen2(gguf)
     if architecture == "gemma3":
         return Gemma3(gguf)
     raise PymlError(
@@ -114,6 +117,7 @@ class Llama:
 
     name = "llama"
     hf_class = "LlamaForCausalLM"
+    qkv_bias = False  # biases on the q, k and v projections (not on the output's)
     # GGUF name within block i ("blk.{i}.") -> Hugging Face name within "model.layers.{i}.".
     block_names = {
         "attn_norm.weight": "input_layernorm.weight",
@@ -258,6 +262,15 @@ class Llama:
         """The pyml spec of the model, as the data a spec file holds (the decoder shorthand)."""
         dims = self.dims
         norm = {"dim": dims.hidden, "eps": dims.rms_norm_eps}
+        attention = {
+            "dim": dims.hidden,
+            "n_heads": dims.n_heads,
+            "n_kv_heads": dims.n_kv_heads,
+            "head_dim": dims.head_dim,
+            "rope": {"theta": dims.rope_theta},
+        }
+        if self.qkv_bias:
+            attention["qkv_bias"] = True
         return {
             "name": name,
             "form": "decoder",
@@ -266,19 +279,48 @@ class Llama:
             "block": {
                 "count": dims.n_layers,
                 "attn_norm": dict(norm),
-                "attention": {
-                    "dim": dims.hidden,
-                    "n_heads": dims.n_heads,
-                    "n_kv_heads": dims.n_kv_heads,
-                    "head_dim": dims.head_dim,
-                    "rope": {"theta": dims.rope_theta},
-                },
+                "attention": attention,
                 "mlp_norm": dict(norm),
                 "mlp": {"dim": dims.hidden, "hidden": dims.ffn},
             },
             "final_norm": dict(norm),
             "lm_head": {"dim": dims.hidden, "vocab_size": dims.vocab, "tied": tied},
         }
+
+
+class Qwen2(Llama):
+    """A qwen2-architecture GGUF (Qwen2, Qwen2.5): Llama's block with biases on the q, k and v
+    projections, its Q and K rows as Hugging Face stores them."""
+
+    name = "qwen2"
+    hf_class = "Qwen2ForCausalLM"
+    qkv_bias = True
+    block_names = Llama.block_names | {
+        "attn_q.bias": "self_attn.q_proj.bias",
+        "attn_k.bias": "self_attn.k_proj.bias",
+        "attn_v.bias": "self_attn.v_proj.bias",
+    }
+
+    def block_shapes(self) -> dict[str, tuple[int, ...]]:
+        dims = self.dims
+        shapes = super().block_shapes()
+        shapes.update({
+            "attn_q.bias": (dims.n_heads * dims.head_dim,),
+            "attn_k.bias": (dims.n_kv_heads * dims.head_dim,),
+            "attn_v.bias": (dims.n_kv_heads * dims.head_dim,),
+        })
+        return shapes
+
+    def hf_weight(self, gguf_name: str, weight: np.ndarray) -> np.ndarray:
+        return weight
+
+    def hf_config(self, tied: bool) -> dict[str, object]:
+        """config.json without the special token ids: the Hugging Face Qwen2Config (which has no
+        bias options: its q, k and v projections always have them)."""
+        config = super().hf_config(tied)
+        for llama_only in ("attention_bias", "mlp_bias"):
+            del config[llama_only]
+        return config | {"model_type": "qwen2", "use_sliding_window": False}
 
 
 class Gemma3(Llama):

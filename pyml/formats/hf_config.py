@@ -1,8 +1,9 @@
 """Which Hugging Face config describes a pyml spec, and how a config.json disagrees with one.
 
 A model folder's config.json is Hugging Face's description of the model its spec.toml declares: a
-LlamaConfig for a spec whose block is Llama's (the decoder shorthand), a Gemma3TextConfig for one
-whose block is Gemma 3's (pre- and post-norms around attention and MLP). From the spec we derive the
+LlamaConfig for a spec whose block is Llama's (the decoder shorthand), a Qwen2Config for Llama's
+block with biases on the q, k and v projections only, a Gemma3TextConfig for one whose block is
+Gemma 3's (pre- and post-norms around attention and MLP). From the spec we derive the
 config fields it determines and compare them with the file's, field by field, so that a folder
 holding another model is refused with the fields that differ.
 """
@@ -60,15 +61,18 @@ def common_fields(spec: DecoderModel, attention: Attention, mlp: MLP) -> dict[st
 
 
 def not_describable(spec: DecoderModel, attention: Attention, mlp: MLP, gemma: bool) -> list[str]:
-    """What of the spec its family's config has no field for (gemma: Gemma 3, else Llama)."""
+    """What of the spec its family's config has no field for (gemma: Gemma 3, else Llama or
+    Qwen2)."""
     norms = [spec.final_norm, *block_layers(spec, RMSNorm)]
     norms += [attention.qk_norm] if attention.qk_norm else []
     types = [attention.type_of_layer(l) for l in range(spec.block.count)]
     problems = []
     if attention.rope is None:
         problems.append("attention without RoPE")
-    if attention.qkv_bias != attention.out_bias:
-        problems.append("biases on some attention projections only")
+    if attention.out_bias and not attention.qkv_bias:
+        problems.append("bias on the attention's output projection alone")
+    if attention.qkv_bias and not attention.out_bias and (gemma or mlp.bias):
+        problems.append("q, k and v biases in " + ("Gemma 3's block" if gemma else "a block with MLP biases"))
     if len({norm.eps for norm in norms}) > 1:
         problems.append("norms with different eps")
     if not gemma:
@@ -103,12 +107,14 @@ def described_config(spec: DecoderModel) -> tuple[dict[str, object], list[str]]:
         return {"model_type": None}, ["a block that is neither Llama's nor Gemma 3's"]
     gemma = kinds == GEMMA3_BLOCK
     (attention,), (mlp,) = block_layers(spec, Attention), block_layers(spec, MLP)
-    fields = {"model_type": "gemma3_text" if gemma else "llama"}
+    qwen2 = not gemma and attention.qkv_bias and not attention.out_bias
+    fields = {"model_type": "gemma3_text" if gemma else "qwen2" if qwen2 else "llama"}
     fields |= common_fields(spec, attention, mlp)
     activation = HF_ACTIVATIONS[mlp.activation]
     if not gemma:
-        fields |= {"hidden_act": activation, "attention_bias": attention.qkv_bias,
-                   "mlp_bias": mlp.bias}
+        fields |= {"hidden_act": activation}
+        if not qwen2:
+            fields |= {"attention_bias": attention.qkv_bias, "mlp_bias": mlp.bias}
         return fields, not_describable(spec, attention, mlp, gemma)
     types = [attention.type_of_layer(l) for l in range(spec.block.count)]
     sliding = [kind for kind in types if kind.window]
@@ -154,6 +160,10 @@ def config_mismatches(spec: DecoderModel, config: dict) -> list[str]:
     describes the spec's model."""
     expected, not_described = described_config(spec)
     config = with_rope_bases(config)
+    if config.get("head_dim") is None and isinstance(config.get("hidden_size"), int) and isinstance(
+            config.get("num_attention_heads"), int) and config["num_attention_heads"] > 0:
+        # Qwen2Config keeps no head_dim; its models then split hidden_size over the heads
+        config = config | {"head_dim": config["hidden_size"] // config["num_attention_heads"]}
     if expected["model_type"] != config.get("model_type"):
         family = repr(expected["model_type"]) if expected["model_type"] else "neither Llama nor Gemma 3"
         return [f"model_type is {config.get('model_type')!r} in config.json but the spec is {family}"]

@@ -19,7 +19,7 @@ In both, control and user-defined tokens (Gemma's runs of spaces, tabs and newli
 tags) are matched whole in the text, the longest first, before anything else, as llama.cpp does.
 """
 
-from tokenizers import AddedToken, Tokenizer, decoders, normalizers, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 
 from pyml.errors import PymlError
@@ -42,8 +42,17 @@ _GPT2_WORDS = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
 # own Hugging Face tokenizer reproduces these splits on its test text. transformers' GGUF loader
 # uses the GPT-2 regex alone for "smollm", so "    1" becomes "ĠĠĠ", "Ġ", "1" there but "ĠĠĠĠ", "1"
 # in llama.cpp; we follow llama.cpp.
+# "qwen2": Qwen2's one regex (llama.cpp's spelling of it, without the (?i:) group its regex engine
+# lacks), whose matches are the words, then the byte-level mapping alone, as Qwen2's own
+# tokenizer.json has it.
+_QWEN2_WORDS = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _PRE_TOKENIZERS = {
     "smollm": pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _GPT2_WORDS]),
+    "qwen2": pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_QWEN2_WORDS), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ]),
 }
 
 _SPECIAL_TOKEN_IDS = {

@@ -6,7 +6,7 @@ their RoPE bases in `rope_parameters`, where import-gguf writes `rope_theta` (an
 from pathlib import Path
 
 import pytest
-from transformers import AutoConfig, LlamaConfig
+from transformers import AutoConfig, LlamaConfig, Qwen2Config
 
 from pyml.formats.hf_config import config_mismatches
 from pyml.spec import load_spec, parse_spec
@@ -56,6 +56,22 @@ def llama_spec(**attention) -> dict:
                                 "rope": {"theta": 10000.0}} | attention},
         "final_norm": {"dim": 8}, "lm_head": {"dim": 8, "vocab_size": 11, "tied": True},
     }
+
+
+def test_transformers_qwen2_config_describes_llamas_block_with_q_k_v_biases():
+    spec = parse_spec(llama_spec(qkv_bias=True), "qwen.toml")
+    saved = Qwen2Config(vocab_size=11, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+                        rms_norm_eps=1e-5, tie_word_embeddings=True).to_dict()
+    assert saved.get("head_dim") is None and config_mismatches(spec, saved) == []
+    assert config_mismatches(spec, llama_tiny_config()) == [
+        "model_type is 'llama' in config.json but the spec is 'qwen2'"]
+    both = parse_spec(llama_spec(qkv_bias=True, out_bias=True), "odd.toml")  # Llama's attention_bias
+    assert config_mismatches(both, {"model_type": "qwen2"}) == [
+        "model_type is 'qwen2' in config.json but the spec is 'llama'"]
+    output_only = parse_spec(llama_spec(out_bias=True), "odd.toml")
+    assert config_mismatches(output_only, {"model_type": "llama"}) == [
+        "config.json cannot describe the spec's bias on the attention's output projection alone"]
 
 
 def test_what_no_config_can_describe_is_named():

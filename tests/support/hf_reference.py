@@ -15,8 +15,10 @@ def rms_norm_in_input_dtype(self, hidden):
     return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon))
 
 
-def compute_in_float64(monkeypatch, head_dim: int, theta: float) -> None:
-    """transformers' Llama RMSNorm and rotary tables in the model's dtype, for this test."""
+def compute_in_float64(monkeypatch, head_dim: int, theta: float, modeling=modeling_llama,
+                       prefix: str = "Llama") -> None:
+    """transformers' RMSNorm and rotary tables in the model's dtype, for this test: Llama's, or
+    those of the family whose modeling module and class prefix are given (Qwen2's)."""
 
     def rotary_in_float64(self, x, position_ids):
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float64) / head_dim
@@ -24,8 +26,8 @@ def compute_in_float64(monkeypatch, head_dim: int, theta: float) -> None:
         angles = torch.cat((freqs, freqs), dim=-1)
         return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
 
-    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", rms_norm_in_input_dtype)
-    monkeypatch.setattr(modeling_llama.LlamaRotaryEmbedding, "forward", rotary_in_float64)
+    monkeypatch.setattr(getattr(modeling, f"{prefix}RMSNorm"), "forward", rms_norm_in_input_dtype)
+    monkeypatch.setattr(getattr(modeling, f"{prefix}RotaryEmbedding"), "forward", rotary_in_float64)
 
 
 def float64_llama(monkeypatch, spec: dict, seed: int = 0) -> LlamaForCausalLM:

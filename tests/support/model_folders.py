@@ -1,10 +1,12 @@
-"""Tiny model folders of both GGUF families, for the checkpoint and export tests.
+"""Tiny model folders of the GGUF families, for the checkpoint and export tests.
 
 Each is made as a user makes one: a GGUF written the way llama.cpp's converter writes it (with the
 gguf package: llama's Q and K rows permuted, Gemma's norm gains stored as 1 + w, the tokenizer as
 metadata), imported with `pyml import-gguf`. The llama one has `specs/llama_tiny.toml`'s dims, so
 that gen/llama_tiny trains it; the gemma one is small and has six layers (five sliding-window
-ones and a global one), a user-defined token and a SentencePiece vocabulary.
+ones and a global one), a user-defined token and a SentencePiece vocabulary. The qwen2 one is the
+llama one with biases on its q, k and v projections, Q and K rows as Hugging Face stores them
+(qwen2 is converted without the reordering) and Qwen2's pre-tokenizer.
 """
 
 from pathlib import Path
@@ -68,7 +70,7 @@ def llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
     )
 
 
-def block_shapes(dims: dict[str, int], gemma: bool) -> dict[str, tuple[int, ...]]:
+def block_shapes(dims: dict[str, int], gemma: bool, qkv_bias: bool = False) -> dict[str, tuple[int, ...]]:
     hidden, ffn = dims["hidden"], dims["ffn"]
     q_rows, kv_rows = dims["heads"] * dims["head_dim"], dims["kv_heads"] * dims["head_dim"]
     shapes = {
@@ -82,6 +84,8 @@ def block_shapes(dims: dict[str, int], gemma: bool) -> dict[str, tuple[int, ...]
         "ffn_up.weight": (ffn, hidden),
         "ffn_down.weight": (hidden, ffn),
     }
+    if qkv_bias:
+        shapes |= {"attn_q.bias": (q_rows,), "attn_k.bias": (kv_rows,), "attn_v.bias": (kv_rows,)}
     if gemma:
         shapes |= {
             "attn_q_norm.weight": (dims["head_dim"],),
@@ -93,8 +97,8 @@ def block_shapes(dims: dict[str, int], gemma: bool) -> dict[str, tuple[int, ...]
 
 
 def write_gguf(path: Path, architecture: str, dims: dict[str, int]) -> None:
-    """A tiny GGUF of `architecture` (llama or gemma3), every tensor float32."""
-    gemma = architecture == "gemma3"
+    """A tiny GGUF of `architecture` (llama, qwen2 or gemma3), every tensor float32."""
+    gemma, qwen2 = architecture == "gemma3", architecture == "qwen2"
     tokens = GEMMA_TOKENS if gemma else LLAMA_TOKENS
     writer = gguf.GGUFWriter(path, architecture)
     writer.add_context_length(64)
@@ -134,7 +138,7 @@ def write_gguf(path: Path, architecture: str, dims: dict[str, int]) -> None:
         writer.add_layer_norm_rms_eps(LLAMA_SPEC.final_norm.eps)
         writer.add_rope_freq_base(LLAMA_ATTENTION.rope.theta)
         writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("smollm")
+        writer.add_tokenizer_pre("qwen2" if qwen2 else "smollm")
         writer.add_token_types([3] * len(LLAMA_SPECIAL) + [1] * (len(tokens) - len(LLAMA_SPECIAL)))
         writer.add_token_merges(LLAMA_MERGES)
         writer.add_bos_token_id(1)
@@ -152,14 +156,14 @@ def write_gguf(path: Path, architecture: str, dims: dict[str, int]) -> None:
     }
     for layer in range(dims["layers"]):
         shapes |= {
-            f"blk.{layer}.{name}": shape for name, shape in block_shapes(dims, gemma).items()
+            f"blk.{layer}.{name}": shape for name, shape in block_shapes(dims, gemma, qwen2).items()
         }
     for name, shape in shapes.items():
         if name.endswith("norm.weight"):  # a gain (for Gemma: 1 + w, as the converter stores it)
             weight = (1 + rng.standard_normal(shape) * 0.3).astype(np.float32)
         else:
             weight = (rng.standard_normal(shape) * 0.2).astype(np.float32)
-        if not gemma and name.endswith(("attn_q.weight", "attn_k.weight")):
+        if architecture == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = dims["heads"] if name.endswith("attn_q.weight") else dims["kv_heads"]
             weight = np.ascontiguousarray(llama_cpp_permute(weight, heads))
         writer.add_tensor(name, weight)

@@ -1,0 +1,151 @@
+"""A qwen2 GGUF (Qwen2, Qwen2.5) imported, trained and exported.
+
+The GGUF is written as llama.cpp's converter writes one (tests/support/model_folders.py: biases on
+q, k and v, no Q/K reordering, the "qwen2" pre-tokenizer). References: transformers loading that
+GGUF itself (`gguf_file=`: its own reader, dequantisers and tokenizer builder), transformers'
+Qwen2ForCausalLM on our folder in float64 for the loss and every gradient, and the gguf reader and
+transformers again on our export.
+"""
+
+import json
+import os
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is imported: nothing from a hub
+
+import numpy as np
+import pytest
+import torch
+
+from pyml.formats.gguf_export import export_gguf
+from pyml.formats.gguf_import import import_gguf
+from pyml.formats.gguf_read import read_gguf
+from pyml.formats.safetensors_io import read_safetensors
+from pyml.generate.decoding import load_model, load_tokenizer
+from pyml.spec import load_spec
+from tests.support.hf_reference import compute_in_float64
+from tests.support.model_folders import LLAMA, write_gguf
+
+TEXT = "The capital of France is Paris, and 12 and 7 are 19.\n\nIn the spring, the rivers run high."
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    """(the GGUF, the folder `pyml import-gguf` made of it)."""
+    root = tmp_path_factory.mktemp("qwen2")
+    gguf_path = root / "tiny-qwen2.gguf"
+    write_gguf(gguf_path, "qwen2", LLAMA)
+    return gguf_path, import_gguf(gguf_path, root / "tiny-qwen2", progress=False)
+
+
+def transformers_from_gguf(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def test_the_folder_is_a_qwen2_model_with_biased_q_k_v(qwen2):
+    _, folder = qwen2
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["model_type"], config["architectures"]) == ("qwen2", ["Qwen2ForCausalLM"])
+    assert "attention_bias" not in config and config["use_sliding_window"] is False
+    attention = load_spec(folder / "spec.toml").block.attention
+    assert attention.qkv_bias and not attention.out_bias
+    tensors = read_safetensors(folder / "model.safetensors")
+    assert {"model.layers.0.self_attn.q_proj.bias", "model.layers.1.self_attn.v_proj.bias"} <= set(tensors)
+    assert "model.layers.0.self_attn.o_proj.bias" not in tensors
+
+
+def test_tensors_and_logits_equal_transformers_reading_the_gguf(qwen2):
+    gguf_path, folder = qwen2
+    reference = transformers_from_gguf(gguf_path)
+    ours = read_safetensors(folder / "model.safetensors")
+    theirs = {name: tensor.numpy() for name, tensor in reference.state_dict().items()}
+    for name, tensor in ours.items():
+        np.testing.assert_array_equal(tensor, theirs[name], err_msg=name)  # no reordering undone
+    ids = np.random.default_rng(0).integers(0, 96, (2, 12))
+    with torch.no_grad():
+        expected = reference(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(load_model(folder).forward(ids), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_the_tokenizer_splits_as_transformers_qwen2_tokenizer(qwen2):
+    from transformers import AutoTokenizer
+
+    gguf_path, folder = qwen2
+    reference = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    ours = load_tokenizer(folder)
+    for text in (TEXT, "  a  b\n\n\nc 1234 end.", "Seven, eight.\r\nnine"):
+        assert ours.encode(text).ids == reference(text)["input_ids"], text
+    # the words themselves (the tiny vocabulary merges no digits, so ids alone cannot tell "1234"
+    # from "1", "2", "3", "4"), on text outside the vocabulary too
+    for text in (TEXT, "it's 2025: ÉTÉ, naïve!\n\n  x\ty  ", "1234567 apples"):
+        assert (ours.pre_tokenizer.pre_tokenize_str(text)
+                == reference.backend_tokenizer.pre_tokenizer.pre_tokenize_str(text)), text
+
+
+def test_loss_and_every_gradient_equal_qwen2_for_causal_lm_in_float64(qwen2, monkeypatch):
+    from transformers import AutoModelForCausalLM
+    from transformers.models.qwen2 import modeling_qwen2
+
+    _, folder = qwen2
+    config = json.loads((folder / "config.json").read_text())
+    compute_in_float64(monkeypatch, config["head_dim"], config["rope_theta"], modeling_qwen2, "Qwen2")
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64, attn_implementation="sdpa")
+    model = load_model(folder, dtype=np.float64)
+    # transformers' embedding takes config.json's pad id as its padding_idx, whose row no lookup
+    # trains; that token is left out of the input
+    ids = np.random.default_rng(1).integers(0, 96, (2, 17))
+    ids[ids == config["pad_token_id"]] = 50
+    loss = model.loss_and_grads(ids[:, :-1], ids[:, 1:])
+    logits = reference(torch.tensor(ids[:, :-1])).logits
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 96), torch.tensor(ids[:, 1:]).reshape(-1))
+    expected.backward()
+    assert loss == pytest.approx(expected.item(), rel=1e-12)
+    grads = type(model).tensors(model.grads)
+    for name, parameter in reference.named_parameters():
+        np.testing.assert_allclose(grads[name], parameter.grad.numpy(), rtol=1e-8, atol=1e-12, err_msg=name)
+
+
+def test_the_export_is_a_qwen2_gguf_that_imports_back_and_transformers_reads(qwen2, tmp_path):
+    gguf_path, folder = qwen2
+    exported = export_gguf(folder, tmp_path / "out.gguf", "f32", progress=False)
+    metadata = read_gguf(exported).metadata
+    assert metadata["general.architecture"] == "qwen2" and metadata["tokenizer.ggml.pre"] == "qwen2"
+    back = import_gguf(exported, tmp_path / "back", progress=False)
+    original, again = (read_safetensors(f / "model.safetensors") for f in (folder, back))
+    assert original.keys() == again.keys()
+    for name in original:
+        np.testing.assert_array_equal(original[name], again[name], err_msg=name)
+    ids = np.random.default_rng(2).integers(0, 96, (1, 10))
+    with torch.no_grad():
+        from_ours = transformers_from_gguf(exported)(torch.tensor(ids)).logits.numpy()
+        from_source = transformers_from_gguf(gguf_path)(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_array_equal(from_ours, from_source)
+
+
+def test_greedy_tokens_on_the_stored_weights_equal_transformers(qwen2):
+    from pyml.generate import decoding as generation
+
+    gguf_path, folder = qwen2
+    tokenizer = load_tokenizer(folder)
+    ids = tokenizer.encode("the capital of France is").ids
+    decoder = generation.load_decoder(folder, weights="as-stored")
+    ours = generation.generate(decoder, tokenizer, ids, 10, set(), out=None).new_ids
+    with torch.no_grad():
+        expected = transformers_from_gguf(gguf_path).generate(
+            torch.tensor([ids]), max_new_tokens=10, do_sample=False,
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    assert ours == expected[0, len(ids):].tolist()
+
+
+def test_a_qwen2_folder_trains_and_its_checkpoint_is_a_qwen2_folder(qwen2, tmp_path):
+    from pyml.train.run import train
+    from tests.support.model_folders import tiny_text
+
+    _, folder = qwen2
+    result = train(None, init=folder, data=tiny_text(tmp_path / "text.txt"), steps=2, batch=2, seq=16,
+                   eval_every=2, eval_batches=1, checkpoint_every=2, out=tmp_path / "run", progress=False)
+    assert result.evaluations[-1]["loss"] < result.evaluations[0]["loss"]
+    assert json.loads((result.checkpoint / "config.json").read_text())["model_type"] == "qwen2"
+    assert load_model(result.checkpoint).forward(np.zeros((1, 4), np.int64)).shape == (1, 4, 96)
