@@ -123,6 +123,6 @@ clean:
 	rm -rf $(VENV) .numba_cache .pytest_cache .hypothesis
 
 # Plant each bug of mutants/catalogue.toml in a scratch copy and check that a fast test fails
-# (mutants/run.py says how); not part of `make test`: about 30 minutes on the shared 2-core machine.
+# (mutants/run.py says how); not part of `make test`: about 90 minutes on the shared 2-core machine.
 mutants: $(STAMP)
 	$(BIN)/python mutants/run.py
