@@ -8,7 +8,7 @@ calls each (these machines are shared: single runs vary by tens of percent). q, 
 of one fused (B, T, 15, 64) qkv array, as the generated model passes them. The largest difference
 between the two versions' outputs is printed; it must stay at float32 rounding.
 
-    python bench/attention_kernels.py [--rev fe75df9] [--rounds 7] [--repeats 10]
+    python bench/attention_kernels.py [--rev bd971e2] [--rounds 7] [--repeats 10]
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.util
+import inspect
 import subprocess
 import sys
 import tempfile
@@ -32,15 +33,20 @@ CONTEXT = dict(p="attention", n_heads=9, n_kv_heads=3, head_dim=64, scale=0.125)
 B, T = 2, 128
 
 
-def templates_at(rev: str, into: Path) -> Path:
-    """The kernel templates of git revision `rev`, extracted under `into`."""
-    archive = subprocess.run(["git", "archive", rev, "pyml/codegen/templates"], cwd=ROOT,
-                             check=True, capture_output=True).stdout
+TEMPLATE_FOLDERS = ("pyml/codegen/templates", "pyml/codegen/kinds")  # where a revision keeps them
+
+
+def templates_at(rev: str, into: Path) -> list[Path]:
+    """The kernel template folders of git revision `rev`, extracted under `into`."""
+    listed = subprocess.run(["git", "ls-tree", "--name-only", rev, *TEMPLATE_FOLDERS], cwd=ROOT,
+                            check=True, capture_output=True, text=True).stdout.split()
+    archive = subprocess.run(["git", "archive", rev, *listed], cwd=ROOT, check=True,
+                             capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    return into / "pyml/codegen/templates"
+    return [into / folder for folder in listed]
 
 
-def load(templates: Path, name: str):
+def load(templates: list[Path], name: str):
     render.ENVIRONMENT = render.ENVIRONMENT.overlay(loader=jinja2.FileSystemLoader(templates))
     source = render.render_kernel_module("cpu", [("attention", CONTEXT)])
     path = Path(tempfile.gettempdir()) / "pyml-bench" / (
@@ -62,7 +68,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
         versions = {args.rev: load(templates_at(args.rev, Path(scratch)), "base"),
-                    "working tree": load(ROOT / "pyml/codegen/templates", "tree")}
+                    "working tree": load([ROOT / folder for folder in TEMPLATE_FOLDERS], "tree")}
     h, kv, hd = CONTEXT["n_heads"], CONTEXT["n_kv_heads"], CONTEXT["head_dim"]
     rng = np.random.default_rng(0)
     qkv = rng.standard_normal((B, T, h + 2 * kv, hd)).astype(np.float32)
@@ -73,9 +79,16 @@ def main() -> None:
     dq, dk, dv = dqkv[:, :, :h], dqkv[:, :, h : h + kv], dqkv[:, :, h + kv :]
     cache_k, cache_v = (rng.standard_normal((B, 512, kv, hd)).astype(np.float32) for _ in range(2))
     q1, out1 = np.ascontiguousarray(q[:, -1:]), np.empty((B, 1, h * hd), np.float32)
+    positions = np.tile(np.arange(T), (B, 1))  # one sequence per row
+
+    def masks(m) -> tuple:
+        # the window, and the positions of tokens in their examples where the kernels take them
+        takes_positions = "positions" in inspect.signature(m.attention_forward).parameters
+        return (0, positions) if takes_positions else (0,)
+
     calls = {
-        "forward": lambda m: m.attention_forward(q, k, v, att, out, 0),
-        "backward": lambda m: m.attention_backward(q, k, v, att, dout, dq, dk, dv, 0),
+        "forward": lambda m: m.attention_forward(q, k, v, att, out, *masks(m)),
+        "backward": lambda m: m.attention_backward(q, k, v, att, dout, dq, dk, dv, *masks(m)),
         "decode (300 cached)": lambda m: m.attention_decode(q1, cache_k, cache_v, 300, out1),
     }
     outputs = {}

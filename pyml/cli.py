@@ -280,6 +280,7 @@ def train(
     schedule: Annotated[str | None, typer.Option(help="The learning rate's schedule after the warmup: constant (the default), linear (to 0) or cosine (to --min-lr), as transformers' schedules.")] = None,
     warmup_steps: Annotated[int | None, typer.Option(help="Steps over which the learning rate rises linearly from 0. Default 0.")] = None,
     min_lr: Annotated[float | None, typer.Option(help="Where the cosine schedule ends. Default 0.")] = None,
+    packing: Annotated[bool | None, typer.Option("--packing/--no-packing", help="JSONL examples: pack several into each --seq row, attention and positions restarting at each example (the default), or one example per row.")] = None,
     log: Annotated[str | None, typer.Option(help="tensorboard: write metrics.jsonl's values as TensorBoard events too, into --out/tensorboard/ (needs tensorboardX).")] = None,
     steps: Annotated[int | None, typer.Option(help="Train until this step (counted across resumes). Default 200, or the checkpoint's.")] = None,
     batch: Annotated[int | None, typer.Option(help="Sequences (or examples) per step. Default 2 for decoders, 64 for sequential models.")] = None,
@@ -324,7 +325,7 @@ def train(
             device=device, resume=resume, group=group, lora_rank=lora_rank, lora_alpha=lora_alpha,
             lora_targets=None if lora_targets is None else parse_targets(lora_targets),
             train_on=train_on, long_examples=long_examples, eval_data=eval_data, accumulate=accumulate,
-            schedule=schedule, warmup_steps=warmup_steps, min_lr=min_lr, log=log)
+            schedule=schedule, warmup_steps=warmup_steps, min_lr=min_lr, log=log, packing=packing)
     raise typer.Exit(result.exit_status)
 
 
@@ -349,7 +350,7 @@ def evaluate(
     model: Annotated[Path, typer.Option(help="A model folder (from `pyml import-gguf`, a checkpoint or `pyml merge-lora`).")],
     data: Annotated[Path, typer.Option(help="What to score: JSONL examples (as `pyml train` reads them) or a text file or folder.")],
     adapter: Annotated[Path | None, typer.Option(help="A LoRA checkpoint (or peft adapter folder) of --model, folded in first.")] = None,
-    seq: Annotated[int, typer.Option(help="Tokens per row: a text window, or one JSONL example.")] = 128,
+    seq: Annotated[int, typer.Option(help="Tokens per row: a text window, or JSONL examples packed as training packs them.")] = 128,
     batch: Annotated[int, typer.Option(help="Rows per forward pass.")] = 2,
     train_on: Annotated[str | None, typer.Option(help="JSONL chats and instructions: assistant (score the answers only, the default) or all.")] = None,
     long_examples: Annotated[str | None, typer.Option(help="JSONL examples longer than --seq: truncate (the default) or drop.")] = None,
@@ -361,7 +362,8 @@ def evaluate(
 
     result = evaluate_folder(model, data, adapter, seq, batch, train_on, long_examples, dtype)
     print(f"loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f} over {result['tokens']:,} "
-          f"target tokens in {result['rows']:,} rows of {data}")
+          f"target tokens in {result['rows']:,} rows of {data}"
+          + (f" ({result['examples']:,} examples)" if "examples" in result else ""))
 
 
 bench_app = typer.Typer(help="Benchmarks against PyTorch and transformers (results in bench/results/).",

@@ -119,7 +119,7 @@ def decode_step(
             eps=1e-06,
             unit_offset=True,
         )
-        k.rope_forward(self_attn_qk_normed_heads, self_attn_rope_table_cos[l], self_attn_rope_table_sin[l], position)
+        k.rope_decode(self_attn_qk_normed_heads, self_attn_rope_table_cos[l], self_attn_rope_table_sin[l], position)
         slot, n_valid = cache_slot(SELF_ATTN_WINDOW[l], position)
         store_slot(self_attn_core_keys[l], slot, self_attn_k_normed)
         store_slot(self_attn_core_values[l], slot, self_attn_v)

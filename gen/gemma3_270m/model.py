@@ -139,6 +139,8 @@ class Activations:
         self.self_attn_qk_normed_heads = heads(self.self_attn_qk_normed, 0, 5)
         self.self_attn_heads_out_rows = self.self_attn_heads_out.reshape((N_LAYERS, N, 1024))
         self.targets = zeros(N, np.int64)
+        # each token's position in its example: t, or from 0 at each example packed in a row
+        self.positions = zeros((B, T), np.int64)
 
 
 class Gradients:
@@ -284,7 +286,7 @@ class Model(base.DecoderModel):
                 unit_offset=True,
             )
             cos, sin = self.rope_table(SELF_ATTN_ROPE_TABLE[l])
-            k.rope_forward(s.self_attn_qk_normed_heads[l], cos, sin, 0)
+            k.rope_forward(s.self_attn_qk_normed_heads[l], cos, sin, s.positions)
             k.self_attn_core_forward(
                 s.self_attn_q_normed[l],
                 s.self_attn_k_normed[l],
@@ -292,6 +294,7 @@ class Model(base.DecoderModel):
                 s.self_attn_probs[l],
                 s.self_attn_heads_out[l],
                 SELF_ATTN_WINDOW[l],
+                s.positions,
             )
             k.linear_forward(s.self_attn_heads_out_rows[l], p.self_attn_o[l], s.self_attn_o_out[l])
             k.rmsnorm_forward(
@@ -408,10 +411,11 @@ class Model(base.DecoderModel):
                 g.self_attn_k_normed,
                 g.self_attn_v,
                 SELF_ATTN_WINDOW[l],
+                s.positions,
             )
             # rope_table0 (rope); Lean: rotation_adjoint
             cos, sin = self.rope_table(SELF_ATTN_ROPE_TABLE[l])
-            k.rope_backward(g.self_attn_qk_normed_heads, cos, sin)
+            k.rope_backward(g.self_attn_qk_normed_heads, cos, sin, s.positions)
             # self_attn_k_norm (head_rmsnorm); Lean: hadamard_adjoint
             k.head_rmsnorm_backward(
                 s.self_attn_k_rows[l],
@@ -487,7 +491,7 @@ class Model(base.DecoderModel):
                 unit_offset=True,
             )
             cos, sin = self.rope_table(SELF_ATTN_ROPE_TABLE[l])
-            k.rope_forward(c.self_attn_qk_normed_heads, cos, sin, position)
+            k.rope_decode(c.self_attn_qk_normed_heads, cos, sin, position)
             kc, vc, n_valid = c.append(0, l, position, c.self_attn_k_normed, c.self_attn_v)
             k.self_attn_core_decode(c.self_attn_q_normed, kc, vc, n_valid, c.self_attn_heads_out)
             k.linear_forward(c.self_attn_heads_out_rows, p.self_attn_o[l], c.self_attn_o_out)

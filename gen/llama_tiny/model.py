@@ -111,6 +111,8 @@ class Activations:
         self.self_attn_qk = heads(self.self_attn_qkv, 0, 6)
         self.self_attn_heads_out_rows = self.self_attn_heads_out.reshape((N_LAYERS, N, 32))
         self.targets = zeros(N, np.int64)
+        # each token's position in its example: t, or from 0 at each example packed in a row
+        self.positions = zeros((B, T), np.int64)
 
 
 class Gradients:
@@ -222,7 +224,7 @@ class Model(base.DecoderModel):
             )
             k.linear_forward(s.input_layernorm_out[l], p.self_attn_qkv[l], s.self_attn_qkv_rows[l])
             cos, sin = self.rope_table(SELF_ATTN_ROPE_TABLE[l])
-            k.rope_forward(s.self_attn_qk[l], cos, sin, 0)
+            k.rope_forward(s.self_attn_qk[l], cos, sin, s.positions)
             k.self_attn_core_forward(
                 s.self_attn_q[l],
                 s.self_attn_k[l],
@@ -230,6 +232,7 @@ class Model(base.DecoderModel):
                 s.self_attn_probs[l],
                 s.self_attn_heads_out[l],
                 SELF_ATTN_WINDOW[l],
+                s.positions,
             )
             k.linear_forward(s.self_attn_heads_out_rows[l], p.self_attn_o[l], s.self_attn_o_out)
             k.rmsnorm_forward_residual(
@@ -310,10 +313,11 @@ class Model(base.DecoderModel):
                 g.self_attn_k,
                 g.self_attn_v,
                 SELF_ATTN_WINDOW[l],
+                s.positions,
             )
             # rope_table0 (rope); Lean: rotation_adjoint
             cos, sin = self.rope_table(SELF_ATTN_ROPE_TABLE[l])
-            k.rope_backward(g.self_attn_qk, cos, sin)
+            k.rope_backward(g.self_attn_qk, cos, sin, s.positions)
             # self_attn_qkv (linear); Lean: linear_input_adjoint, linear_weight_adjoint_input, linear_weight_adjoint_weight
             k.linear_backward(
                 s.input_layernorm_out[l],
@@ -353,7 +357,7 @@ class Model(base.DecoderModel):
             )
             k.linear_forward(c.input_layernorm_out, p.self_attn_qkv[l], c.self_attn_qkv_rows)
             cos, sin = self.rope_table(SELF_ATTN_ROPE_TABLE[l])
-            k.rope_forward(c.self_attn_qk, cos, sin, position)
+            k.rope_decode(c.self_attn_qk, cos, sin, position)
             kc, vc, n_valid = c.append(0, l, position, c.self_attn_k, c.self_attn_v)
             k.self_attn_core_decode(c.self_attn_q, kc, vc, n_valid, c.self_attn_heads_out)
             k.linear_forward(c.self_attn_heads_out_rows, p.self_attn_o[l], c.self_attn_o_out)

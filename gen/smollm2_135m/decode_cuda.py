@@ -88,7 +88,7 @@ def decode_step(
             stream_in, input_layernorm[l], input_layernorm_out, input_layernorm_rstd, eps=1e-05, unit_offset=False
         )
         linear_row(self_attn_qkv_weight, l, input_layernorm_out, self_attn_qkv_rows)
-        k.rope_forward(self_attn_qk, self_attn_rope_table_cos[l], self_attn_rope_table_sin[l], position)
+        k.rope_decode(self_attn_qk, self_attn_rope_table_cos[l], self_attn_rope_table_sin[l], position)
         slot, n_valid = cache_slot(SELF_ATTN_WINDOW[l], position)
         store_slot(self_attn_core_keys[l], slot, self_attn_k)
         store_slot(self_attn_core_values[l], slot, self_attn_v)

@@ -67,7 +67,7 @@ theorem self_attn_k_norm_hadamard_adjoint (g a b : Vec 256) :
     dot g (hadamard a b) = dot (hadamard g b) a :=
   hadamard_adjoint g a b
 
--- self_attn_rope: rotation of the two halves of a 256-dim head
+-- self_attn_rope: rotation of the two halves of a 256-dim head; c, s are the table's row at each token's position: data, so the law holds for any frequencies and positions
 theorem self_attn_rope_rotation_adjoint (c s g₁ g₂ x₁ x₂ : Vec 128) :
     dot g₁ (rotate c s x₁ x₂).1 + dot g₂ (rotate c s x₁ x₂).2 = dot (rotateT c s g₁ g₂).1 x₁ + dot (rotateT c s g₁ g₂).2 x₂ :=
   rotation_adjoint c s g₁ g₂ x₁ x₂
@@ -86,7 +86,7 @@ theorem self_attn_scores_smul_adjoint {n : Nat} (c : Int) (g v : Vec n) :
     dot g (smul c v) = dot (smul c g) v :=
   smul_adjoint c g v
 
--- self_attn output P V, per head: (T x T) (T x 256)
+-- self_attn output P V, per head: (T x T) (T x 256); P is 0 outside the causal, window and packed-example masks: data
 theorem self_attn_values_matmul_adjoint_left {m k : Nat} (G : Mat m 256) (A : Mat m k) (B : Mat k 256) :
     frob G (matMul A B) = frob (matMul G (transpose B)) A :=
   matmul_adjoint_left G A B

@@ -52,7 +52,7 @@ theorem self_attn_qkv_linear_weight_adjoint_weight {T : Nat} (G : Mat T 960) (X 
     frob G (matMul X (transpose W)) = frob (matMul (transpose G) X) W :=
   linear_weight_adjoint_weight G X W
 
--- self_attn_rope: rotation of the two halves of a 64-dim head
+-- self_attn_rope: rotation of the two halves of a 64-dim head; c, s are the table's row at each token's position: data, so the law holds for any frequencies and positions
 theorem self_attn_rope_rotation_adjoint (c s g₁ g₂ x₁ x₂ : Vec 32) :
     dot g₁ (rotate c s x₁ x₂).1 + dot g₂ (rotate c s x₁ x₂).2 = dot (rotateT c s g₁ g₂).1 x₁ + dot (rotateT c s g₁ g₂).2 x₂ :=
   rotation_adjoint c s g₁ g₂ x₁ x₂
@@ -71,7 +71,7 @@ theorem self_attn_scores_smul_adjoint {n : Nat} (c : Int) (g v : Vec n) :
     dot g (smul c v) = dot (smul c g) v :=
   smul_adjoint c g v
 
--- self_attn output P V, per head: (T x T) (T x 64)
+-- self_attn output P V, per head: (T x T) (T x 64); P is 0 outside the causal, window and packed-example masks: data
 theorem self_attn_values_matmul_adjoint_left {m k : Nat} (G : Mat m 64) (A : Mat m k) (B : Mat k 64) :
     frob G (matMul A B) = frob (matMul G (transpose B)) A :=
   matmul_adjoint_left G A B

@@ -244,7 +244,9 @@ class Lowering:
                           attrs={"tables": f"{name.upper()}_ROPE_TABLE"},
                           instances=(Instance(f"{name}_rope", "rotation_adjoint", {"n": HD // 2},
                                               f"{name}_rope: rotation of the two halves of a "
-                                              f"{HD}-dim head"),)))
+                                              f"{HD}-dim head; c, s are the table's row at each "
+                                              "token's position: data, so the law holds for any "
+                                              "frequencies and positions"),)))
         windows = tuple(kind.window or 0 for kind in types)
         self.constants[f"{name.upper()}_WINDOW"] = windows
         y = self.storage(f"{name}_heads_out", ("B", "T", H * HD))
@@ -262,7 +264,8 @@ class Lowering:
                           Instance(f"{name}_scores", "smul_adjoint", {},
                                    f"{name} scores scaled by {scale!r} before the softmax"),
                           Instance(f"{name}_values", "matmul_adjoint_left", {"n": HD},
-                                   f"{name} output P V, per head: (T x T) (T x {HD})"),
+                                   f"{name} output P V, per head: (T x T) (T x {HD}); P is 0 "
+                                   "outside the causal, window and packed-example masks: data"),
                           Instance(f"{name}_values", "matmul_adjoint_right", {"n": HD}),
                       )))
         self.attention_caches.append({"k": k, "v": v, "window": f"{name.upper()}_WINDOW",

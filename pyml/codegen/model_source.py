@@ -176,6 +176,9 @@ def activation_lines(graph: Graph, layout: Layout) -> list[str]:
             lines.append(f"self.{value.name} = "
                          f"{view_text(value, f'self.{value.storage}', storage.shape, lead)}")
     lines.append("self.targets = zeros(N, np.int64)")
+    if graph.form == "decoder":
+        lines.append("# each token's position in its example: t, or from 0 at each example packed in a row")
+        lines.append("self.positions = zeros((B, T), np.int64)")
     return lines + logits_alias(graph)
 
 

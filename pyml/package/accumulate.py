@@ -16,16 +16,23 @@ import numpy as np
 from pyml.package.cpu.loss import IGNORED_TARGET
 
 
-def loss_and_grads(model, inputs, targets, slices: int = 1, on_grads_ready=None) -> float:
+def loss_and_grads(model, inputs, targets, slices: int = 1, on_grads_ready=None,
+                   positions=None) -> float:
     """The batch's mean loss, its gradient in `model.grads`; with `slices` > 1, computed over that
     many consecutive slices of rows. `on_grads_ready(i)` is called for each gradient bucket once it
-    is final (with slices, after the last one)."""
+    is final (with slices, after the last one). A decoder's `positions` (rows packing several
+    examples) are sliced with the rows."""
+
+    def rows_loss(rows: slice, hook=None) -> float:
+        packed = {} if positions is None else {"positions": positions[rows]}
+        return model.loss_and_grads(inputs[rows], targets[rows], on_grads_ready=hook, **packed)
+
     bounds = [len(inputs) * index // slices for index in range(slices + 1)]
     parts = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]
     counted = [int(np.count_nonzero(np.asarray(targets[a:b]) != IGNORED_TARGET)) for a, b in parts]
     total = sum(counted)
     if len(parts) == 1 or total == 0:  # the one pass (a batch with nothing counted: its NaN loss)
-        return model.loss_and_grads(inputs, targets, on_grads_ready=on_grads_ready)
+        return rows_loss(slice(None), on_grads_ready)
     kernels, grads = model.device.kernels, model.grads.flat
     accumulated = getattr(model, "accumulated_grads", None)  # allocated at the first such step
     if accumulated is None:
@@ -35,7 +42,7 @@ def loss_and_grads(model, inputs, targets, slices: int = 1, on_grads_ready=None)
         if not count:
             continue
         share = count / total
-        loss += share * model.loss_and_grads(inputs[a:b], targets[a:b])
+        loss += share * rows_loss(slice(a, b))
         kernels.adamw_scale(grads, share)
         if first:
             kernels.copy_into(accumulated, grads)

@@ -288,17 +288,37 @@ class DecoderModel(Model):
                 raise PymlError(f"{what} hold ids outside [0, {self.VOCAB})")
         self.device.to_device(ids.reshape(-1), out)
 
-    def forward(self, input_ids):
-        """Logits (B, T, VOCAB) as a host array."""
+    def load_positions(self, positions, shape, out):
+        """Each token's position in its example, (B, T): t by default (a row is one sequence). A
+        row packing several examples counts 0, 1, 2, ... from each example's first token, and no
+        token attends across them: each example computes what it would alone."""
+        if positions is None:
+            positions = np.broadcast_to(np.arange(shape[1], dtype=np.int64), shape)
+        else:
+            positions = np.asarray(positions)
+            if positions.shape != tuple(shape) or not np.issubdtype(positions.dtype, np.integer):
+                raise PymlError(f"positions must be a {tuple(shape)} integer array like input_ids, "
+                                f"got {positions.dtype} {positions.shape}")
+            following = positions[:, 1:]
+            if positions.size and ((positions[:, 0] != 0).any() or (
+                    (following != 0) & (following != positions[:, :-1] + 1)).any()):
+                raise PymlError("positions must count 0, 1, 2, ... along each example of a row, "
+                                "starting at 0 where a row or an example starts")
+        self.device.to_device(positions, out)
+
+    def forward(self, input_ids, positions=None):
+        """Logits (B, T, VOCAB) as a host array; `positions` as `load_positions` says."""
         B, T = np.shape(input_ids)
         s, _ = self.buffers_for(B, T)
         self.load_batch(input_ids, s.ids, "input_ids")
+        self.load_positions(positions, (B, T), s.positions)
         self.run_forward(s)
         return self.device.to_host(s.logits).reshape(B, T, self.VOCAB)
 
-    def loss_and_grads(self, input_ids, targets, on_grads_ready=None):
+    def loss_and_grads(self, input_ids, targets, on_grads_ready=None, positions=None):
         """Mean cross-entropy of next-token `targets` (B, T); gradients land in `self.grads`.
-        `on_grads_ready(i)` is called as soon as `grad_buckets[i]` is final."""
+        `on_grads_ready(i)` is called as soon as `grad_buckets[i]` is final; `positions` as
+        `load_positions` says (rows packing several examples)."""
         if np.shape(targets) != np.shape(input_ids):
             raise PymlError(
                 f"targets shape {np.shape(targets)} differs from input_ids shape {np.shape(input_ids)}"
@@ -307,6 +327,7 @@ class DecoderModel(Model):
         s, g = self.buffers_for(B, T)
         self.load_batch(input_ids, s.ids, "input_ids")
         self.load_batch(targets, s.targets, "targets")
+        self.load_positions(positions, (B, T), s.positions)
         self.run_forward(s)
         return self.run_loss_and_backward(s, g, on_grads_ready or no_bucket_hook)
 
@@ -322,6 +343,7 @@ class DecoderModel(Model):
             )
         s, _ = self.buffers_for(B, T)
         self.load_batch(prompt_ids, s.ids, "input_ids")
+        self.load_positions(None, (B, T), s.positions)
         cache = self.DecodeBuffers(self.device, B, max_len)
         self.run_prompt(s, cache, T)
         self.fill_cache(s, cache, T)
@@ -507,11 +529,12 @@ def initial_tensors(table, seed):
     return host
 
 
-def train_step(model, optimizer, inputs, targets, slices=1):
+def train_step(model, optimizer, inputs, targets, slices=1, positions=None):
     """Loss and gradients, then one optimizer step; a non-finite loss leaves the weights as they
     were and raises. With `slices` > 1 the batch's rows go through the model that many at a time
-    and their gradients are accumulated (`pyml.package.accumulate`): the same update, less memory."""
-    loss = loss_and_grads(model, inputs, targets, slices)
+    and their gradients are accumulated (`pyml.package.accumulate`): the same update, less memory.
+    A decoder's `positions` say where packed examples start (`DecoderModel.load_positions`)."""
+    loss = loss_and_grads(model, inputs, targets, slices, positions=positions)
     if not math.isfinite(loss):
         raise PymlError(
             f"non-finite loss ({loss}) at optimizer step {optimizer.step_count + 1}; "

@@ -13,7 +13,7 @@ from pyml.train.schedule import check_schedule
 # Options that fix what a run computes: a resume must use the values the checkpoint was made with.
 FIXED_ON_RESUME = ("batch", "seq", "lr", "weight_decay", "max_grad_norm", "seed", "dtype",
                    "train_on", "long_examples", "eval_data", "accumulate", "schedule",
-                   "warmup_steps", "min_lr")
+                   "warmup_steps", "min_lr", "packing")
 # Defaults that differ by model form: a 135M decoder fine-tunes with small batches and a small
 # learning rate; the digits MLP learns from scratch with larger ones.
 FORM_DEFAULTS = {
@@ -36,6 +36,7 @@ COMMON_DEFAULTS = {
     "schedule": "constant",
     "warmup_steps": 0,
     "min_lr": 0.0,
+    "packing": True,
 }
 
 
@@ -68,6 +69,7 @@ class TrainingConfig:
     min_lr: float = 0.0  # where the cosine schedule ends
     log: str | None = None  # "tensorboard": metrics.jsonl's values also as TensorBoard events
     base_weights: str | None = None  # a LoRA run's base_weights_digest of its --init folder
+    packing: bool | None = True  # JSONL examples: several to a row, attending within each
 
 
 def check_config(config: TrainingConfig) -> None:

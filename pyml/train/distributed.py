@@ -89,8 +89,9 @@ class SingleProcess:
     def optimizer(self, package, model, **options):
         return package.AdamW(model, **options)
 
-    def train_step(self, package, model, optimizer, inputs, targets, stop, slices: int = 1) -> float:
-        return package.train_step(model, optimizer, inputs, targets, slices)
+    def train_step(self, package, model, optimizer, inputs, targets, stop, slices: int = 1,
+                   positions=None) -> float:
+        return package.train_step(model, optimizer, inputs, targets, slices, positions=positions)
 
     def save_checkpoint(self, out: Path, model, optimizer, state: dict, model_files=None) -> Path:
         from pyml.train.checkpoint import save_checkpoint
@@ -131,9 +132,11 @@ class DataParallel:
             return ShardedAdamW(model, self.exchange, **options)
         return package.AdamW(model, **options)
 
-    def train_step(self, package, model, optimizer, inputs, targets, stop, slices: int = 1) -> float:
-        """One step of the global batch (inputs, targets), the same on every rank, each rank's rows
-        in `slices` slices (`pyml.package.accumulate`); returns its loss. Sets `stop.signum` when a
+    def train_step(self, package, model, optimizer, inputs, targets, stop, slices: int = 1,
+                   positions=None) -> float:
+        """One step of the global batch (inputs, targets, and the positions of packed rows), the
+        same on every rank, each rank's rows in `slices` slices (`pyml.package.accumulate`);
+        returns its loss. Sets `stop.signum` when a
         stop signal reached any rank (the lowest rank's)."""
         import numpy as np
 
@@ -149,7 +152,8 @@ class DataParallel:
         mine = slice(bounds[world.rank], bounds[world.rank + 1])
         failure = None
         try:
-            loss = loss_and_grads(model, inputs[mine], targets[mine], slices, exchange.bucket_ready)
+            loss = loss_and_grads(model, inputs[mine], targets[mine], slices, exchange.bucket_ready,
+                                  None if positions is None else positions[mine])
         except Exception as error:  # bad data or a bug on this rank: every rank drops the step
             loss, failure = math.nan, describe(error)
         exchange.all_buckets_ready()  # those a failure left unreported: the same collectives

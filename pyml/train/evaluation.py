@@ -14,32 +14,37 @@ from pyml.package.base import IGNORED_TARGET
 from pyml.train.config import TrainingConfig
 
 
-def evaluate(model, held_out_pairs: tuple[np.ndarray, np.ndarray], config: TrainingConfig) -> dict:
+def evaluate(model, held_out_pairs: tuple[np.ndarray, ...], config: TrainingConfig) -> dict:
     """Mean held-out cross-entropy over a fixed set of held-out rows, from forward passes only
     (the gradients are left alone); classifiers also get their accuracy. Decoders use the first
-    `eval_batches` batches of the held-out sequences, classifiers every held-out example."""
-    inputs, targets = held_out_pairs
+    `eval_batches` batches of the held-out sequences, classifiers every held-out example. The
+    pairs' third array, where there is one, holds packed JSONL rows' positions."""
+    inputs, targets, *packed = held_out_pairs
     if config.seq is None:
         batch_size, batch_count = len(inputs), 1
     else:
         batch_size = min(config.batch, len(inputs))
         batch_count = min(config.eval_batches, len(inputs) // batch_size)
     rows = slice(0, batch_count * batch_size)
-    loss_sum, counted, correct = loss_over(model, inputs[rows], targets[rows], batch_size)
+    loss_sum, counted, correct = loss_over(model, inputs[rows], targets[rows], batch_size,
+                                           packed[0][rows] if packed else None)
     evaluation = {"loss": loss_sum / counted}
     if config.seq is None:
         evaluation["accuracy"] = correct / counted
     return evaluation
 
 
-def loss_over(model, inputs: np.ndarray, targets: np.ndarray, batch_size: int) -> tuple[float, int, int]:
+def loss_over(model, inputs: np.ndarray, targets: np.ndarray, batch_size: int,
+              positions: np.ndarray | None = None) -> tuple[float, int, int]:
     """(summed cross-entropy, targets counted, argmax hits) over every row, `batch_size` rows at
-    a time: what a run's held-out evaluation and `pyml eval` report."""
+    a time: what a run's held-out evaluation and `pyml eval` report. A decoder's `positions` say
+    where the examples packed in its rows start."""
     loss_sum, counted, correct = 0.0, 0, 0
     for start in range(0, len(inputs), batch_size):
         rows = slice(start, start + batch_size)
+        packed = {} if positions is None else {"positions": positions[rows]}
         batch_loss_sum, batch_counted, batch_correct = cross_entropy_sum(
-            model.forward(inputs[rows]), targets[rows]
+            model.forward(inputs[rows], **packed), targets[rows]
         )
         loss_sum, counted, correct = (
             loss_sum + batch_loss_sum, counted + batch_counted, correct + batch_correct
@@ -88,11 +93,13 @@ def evaluate_folder(model_dir: Path, data: Path, adapter: Path | None = None, se
     if seq > model.MAX_SEQ_LEN:
         raise PymlError(f"--seq {seq} exceeds the model's max_seq_len {model.MAX_SEQ_LEN}")
     tokens = FolderTokens(Path(model_dir), model.VOCAB, model.SPEC_NAME)
-    if examples.is_jsonl(Path(data)):
-        rows = tokens.example_rows(tokens.examples(Path(data), train_on), seq, long_examples)
-        inputs, targets = rows.inputs, rows.targets
+    positions, counts = None, {}
+    if examples.is_jsonl(Path(data)):  # packed as training packs them
+        rows = tokens.example_rows(tokens.examples(Path(data), train_on), seq, long_examples, True)
+        inputs, targets, positions = rows.inputs, rows.targets, rows.positions
+        counts = {"examples": rows.examples}
     else:
         inputs, targets = tokens.text_pairs(load_corpus(Path(data)), seq)
-    loss_sum, counted, _ = loss_over(model, inputs, targets, batch)
+    loss_sum, counted, _ = loss_over(model, inputs, targets, batch, positions)
     loss = loss_sum / counted
-    return {"loss": loss, "perplexity": math.exp(loss), "tokens": counted, "rows": len(inputs)}
+    return {"loss": loss, "perplexity": math.exp(loss), "tokens": counted, "rows": len(inputs), **counts}

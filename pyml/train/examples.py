@@ -17,13 +17,19 @@ writes after it (a newline) is not a target. An instruction is the prompt (frame
 tokenizer frames any text) followed by the completion and the end-of-text token; a text is all
 targets. `--train-on all` makes every token a target.
 
-Each example becomes one row of `seq + 1` tokens (inputs and next-token targets), padded after its
-end: under a causal mask no token attends to the padding after it, so a row computes exactly what
-the example alone would. Examples longer than a row are truncated or dropped (`--long-examples`).
+An example of n tokens takes n - 1 places of a row of `seq` (inputs ids[:-1], next-token targets
+ids[1:]). With packing (`--packing`, the default), several examples share a row, placed best fit
+decreasing (longest first, each into the fullest row it fits, as TRL's "bfd" packing does): each
+token's position restarts at 0 at its example's first token, and attention does not cross from one
+example to another (`positions`, `DecoderModel.load_positions`), so a packed row computes exactly
+what its examples would one by one. Without packing each example has a row of its own. Either way
+the rest of a row is padding: no target, and no earlier token attends to it. Examples longer than
+a row are truncated or dropped (`--long-examples`).
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,6 +192,8 @@ class Tokenization:
 class Rows:
     inputs: np.ndarray  # (n, seq) int64
     targets: np.ndarray  # (n, seq) int64, IGNORED_TARGET where nothing is predicted
+    positions: np.ndarray  # (n, seq) int64: each token's position in its example
+    examples: int  # the examples the rows hold
     truncated: int
     dropped: int
 
@@ -194,13 +202,12 @@ class Rows:
         return int(np.count_nonzero(self.targets != IGNORED_TARGET))
 
 
-def rows(examples: list[Example], seq: int, pad_id: int, long_examples: str) -> Rows:
-    """One row per example: inputs ids[:-1] and targets ids[1:] (where targeted), padded to `seq`;
-    an example longer than seq + 1 tokens is truncated or dropped, and one left with no target is
-    dropped."""
+def rows(examples: list[Example], seq: int, pad_id: int, long_examples: str, packing: bool) -> Rows:
+    """Rows of `seq` places holding the examples: one each, or packed several to a row; an example
+    longer than seq + 1 tokens is truncated or dropped, and one left with no target is dropped."""
     if long_examples not in LONG_EXAMPLES:
         raise PymlError(f"--long-examples must be one of {', '.join(LONG_EXAMPLES)}, not {long_examples!r}")
-    inputs, targets, truncated, dropped = [], [], 0, 0
+    kept, truncated, dropped = [], 0, 0
     for example in examples:
         ids, targeted = example.ids, example.targets
         if len(ids) > seq + 1:
@@ -211,18 +218,46 @@ def rows(examples: list[Example], seq: int, pad_id: int, long_examples: str) -> 
         if not any(targeted[1:]):
             dropped += 1
             continue
-        row_inputs = np.full(seq, pad_id, dtype=np.int64)
-        row_targets = np.full(seq, IGNORED_TARGET, dtype=np.int64)
-        row_inputs[: len(ids) - 1] = ids[:-1]
-        for position in range(1, len(ids)):
-            if targeted[position]:
-                row_targets[position - 1] = ids[position]
-        inputs.append(row_inputs)
-        targets.append(row_targets)
-    if not inputs:
+        kept.append((ids, targeted))
+    if not kept:
         raise PymlError(f"no example fits a window of {seq} tokens with a target in it "
                         f"({dropped} dropped): use a longer --seq or --long-examples truncate")
-    return Rows(np.stack(inputs), np.stack(targets), truncated, dropped)
+    groups = best_fit_decreasing([len(ids) - 1 for ids, _ in kept], seq) if packing else [
+        [index] for index in range(len(kept))]
+    inputs = np.full((len(groups), seq), pad_id, dtype=np.int64)
+    targets = np.full((len(groups), seq), IGNORED_TARGET, dtype=np.int64)
+    positions = np.zeros((len(groups), seq), dtype=np.int64)
+    for row, group in enumerate(groups):
+        start = 0
+        for index in group:
+            ids, targeted = kept[index]
+            places = len(ids) - 1
+            inputs[row, start : start + places] = ids[:-1]
+            for position in range(1, len(ids)):
+                if targeted[position]:
+                    targets[row, start + position - 1] = ids[position]
+            positions[row, start : start + places] = np.arange(places)
+            start += places
+        positions[row, start:] = np.arange(seq - start)  # the padding: an example of its own
+    return Rows(inputs, targets, positions, len(kept), truncated, dropped)
+
+
+def best_fit_decreasing(sizes: list[int], capacity: int) -> list[list[int]]:
+    """Indices of `sizes` grouped into bins of `capacity`: the largest first, each into the bin
+    with the least room that holds it (a new bin when none does); the bins in the order opened,
+    each listing its items in the order placed. Deterministic: ties keep the input order."""
+    bins: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # (room left, bin), sorted
+    for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        at = bisect.bisect_left(room, (sizes[index], -1))
+        if at == len(room):
+            bins.append([index])
+            bisect.insort(room, (capacity - sizes[index], len(bins) - 1))
+            continue
+        left, chosen = room.pop(at)
+        bins[chosen].append(index)
+        bisect.insort(room, (left - sizes[index], chosen))
+    return bins
 
 
 def split_examples(examples: list[Example], held_out_fraction: float, seed: int

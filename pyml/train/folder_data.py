@@ -1,5 +1,5 @@
 """A decoder's data as its model folder tokenises it: text documents packed into windows
-(`pyml.train.data`), or JSONL examples one per row with the loss on the answers
+(`pyml.train.data`), or JSONL examples, packed or one per row, with the loss on the answers
 (`pyml.train.examples`). `pyml train` splits them into training and held-out rows; `pyml eval`
 takes every row."""
 
@@ -56,5 +56,6 @@ class FolderTokens:
         tokenization = examples.Tokenization(self.tokenizer, self.template, self.eos_id, train_on or "assistant")
         return examples.load_examples(Path(data), tokenization)
 
-    def example_rows(self, chosen: list[examples.Example], seq: int, long_examples: str | None) -> examples.Rows:
-        return examples.rows(chosen, seq, self.pad_id, long_examples or "truncate")
+    def example_rows(self, chosen: list[examples.Example], seq: int, long_examples: str | None,
+                     packing: bool) -> examples.Rows:
+        return examples.rows(chosen, seq, self.pad_id, long_examples or "truncate", packing)

@@ -142,11 +142,12 @@ def run_training(
             metrics.evaluation(baseline)
             bar.write(describe_evaluation(baseline))
         while step < config.steps:
-            inputs, targets = batches.next_batch()
+            inputs, targets, *packed = batches.next_batch()  # packed: JSONL rows' positions
             optimizer.lr = learning_rate(config, step + 1)
             started = time.perf_counter()
             try:
-                loss = group.train_step(package, model, optimizer, inputs, targets, stop, slices)
+                loss = group.train_step(package, model, optimizer, inputs, targets, stop, slices,
+                                        packed[0] if packed else None)
             except PymlError as error:
                 if group.is_root:
                     write_loss_curve(out / LOSS_CURVE_FILE, train_losses, evaluations, config)

@@ -75,6 +75,7 @@ def train(
     warmup_steps: int | None = None,
     min_lr: float | None = None,
     log: str | None = None,
+    packing: bool | None = None,
 ) -> TrainingResult:
     """Train the generated package of the spec at `spec_path` (default: the `init` folder's
     spec.toml); options left as None take the checkpoint's values when resuming, else the
@@ -102,6 +103,7 @@ def train(
         "train_on": train_on, "long_examples": long_examples,
         "eval_data": None if eval_data is None else str(eval_data), "accumulate": accumulate,
         "schedule": schedule, "warmup_steps": warmup_steps, "min_lr": min_lr, "log": log,
+        "packing": packing,
     }  # fmt: skip
     if resume:
         checkpoint = latest_checkpoint(out)
@@ -249,19 +251,22 @@ def text_pairs(config: TrainingConfig, package: ModuleType):
 
 
 def example_pairs(config: TrainingConfig, tokens: FolderTokens):
-    """Train and held-out (inputs, targets) of JSONL examples (`pyml.train.examples`): one row per
-    example, the loss on the answers unless --train-on all."""
+    """Train and held-out (inputs, targets, positions) of JSONL examples (`pyml.train.examples`):
+    packed several to a row unless --no-packing, the loss on the answers unless --train-on all."""
     train_examples = tokens.examples(Path(config.data), config.train_on)
     if config.eval_data is not None:
         held_out_examples = tokens.examples(Path(config.eval_data), config.train_on)
     else:
         train_examples, held_out_examples = examples.split_examples(train_examples, 0.1, config.seed)
-    train_rows, held_out_rows = (tokens.example_rows(chosen, config.seq, config.long_examples)
+    packing = config.packing is not False
+    train_rows, held_out_rows = (tokens.example_rows(chosen, config.seq, config.long_examples, packing)
                                  for chosen in (train_examples, held_out_examples))
     print(
-        f"data: {config.data}: {len(train_rows.inputs)} train examples ({train_rows.target_count:,} "
-        f"target tokens), {len(held_out_rows.inputs)} held out ({held_out_rows.target_count:,}); "
-        f"{train_rows.truncated} truncated to --seq {config.seq}, {train_rows.dropped} dropped "
-        f"(--long-examples {config.long_examples or 'truncate'})"
+        f"data: {config.data}: {train_rows.examples} train examples ({train_rows.target_count:,} "
+        f"target tokens) in {len(train_rows.inputs)} rows, {held_out_rows.examples} held out "
+        f"({held_out_rows.target_count:,}) in {len(held_out_rows.inputs)}"
+        f"{', packed' if packing else ''}; {train_rows.truncated} truncated to --seq {config.seq}, "
+        f"{train_rows.dropped} dropped (--long-examples {config.long_examples or 'truncate'})"
     )
-    return (train_rows.inputs, train_rows.targets), (held_out_rows.inputs, held_out_rows.targets)
+    return ((train_rows.inputs, train_rows.targets, train_rows.positions),
+            (held_out_rows.inputs, held_out_rows.targets, held_out_rows.positions))

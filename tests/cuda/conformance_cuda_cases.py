@@ -88,14 +88,15 @@ def test_rope(config, seed):
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("window", [0, 2, 3])
-def test_attention_backward(config, seed, window):
+@pytest.mark.parametrize(("window", "packed"), [(0, False), (2, False), (3, False), (0, True), (3, True)])
+def test_attention_backward(config, seed, window, packed):
     """attention backward with causal att of dyadic probabilities (multiples of 1/8): dP ==
     matMul G (transpose V) and dQ == scale matMul dS K (Lean law matmul_adjoint_left); dV ==
     Σ_group matMul (transpose P) G and dK == Σ_group scale matMul (transpose dS) Q
     (matmul_adjoint_right); dS = hadamard P (dP - rowsum), the softmax backward, exact here. With a
-    sliding window (2, 3), P is zero outside it and the backward is given the window."""
-    case_attention_backward(CUDA, config, seed, window)
+    sliding window (2, 3), P is zero outside it and the backward is given the window; packed rows
+    hold several examples, P is zero across them and the backward is given the positions."""
+    case_attention_backward(CUDA, config, seed, window, packed)
 
 
 @pytest.mark.parametrize("seed", SEEDS)

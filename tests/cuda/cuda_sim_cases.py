@@ -173,43 +173,52 @@ def test_rope(cpu, gpu, dtype):
     rng = np.random.default_rng(3)
     cos, sin = np.zeros((MAX_SEQ, HD // 2), dtype), np.zeros((MAX_SEQ, HD // 2), dtype)
     cpu.rope_tables(cos, sin)
-    x = rand(rng, dtype, 1, 3, H, HD)
-    same(*run_both(cpu.rope_forward, gpu.rope_forward, x, cos, sin, scalars=(5,))[:2])
-    same(*run_both(cpu.rope_backward, gpu.rope_backward, x, cos, sin)[:2])
+    x = rand(rng, dtype, 2, 3, H, HD)
+    positions = np.array([[0, 1, 2], [0, 1, 0]])  # the second row packs two examples
+    same(*run_both(cpu.rope_forward, gpu.rope_forward, x, cos, sin, positions)[:2])
+    same(*run_both(cpu.rope_backward, gpu.rope_backward, x, cos, sin, positions)[:2])
+    same(*run_both(cpu.rope_decode, gpu.rope_decode, x[:, :1].copy(), cos, sin, scalars=(5,))[:2])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("window", [0, 2, 5])  # global, shorter than T, longer than T
+# global, shorter than T, longer than T; packed: rows of two examples (positions restart at 2)
+@pytest.mark.parametrize(("window", "packed"), [(0, False), (2, False), (5, False), (0, True), (3, True)])
 @pytest.mark.parametrize("prefix", ATTENTION_SCALES)  # 1/sqrt(head_dim), another scale
-def test_attention(cpu, gpu, dtype, window, prefix):
-    def both(name):
+def test_attention(cpu, gpu, dtype, window, packed, prefix):
+    def kernels(name):
         return [getattr(m, f"{prefix}_{name}") for m in (cpu, gpu)]
+
+    def both(name, window):
+        # the kernels take (arrays..., window, positions): positions travel as the last array
+        return [lambda *arrays, f=f: f(*arrays[:-1], window, arrays[-1]) for f in kernels(name)]
 
     rng = np.random.default_rng(4)
     b, t = 1, 4
+    positions = np.array([[0, 1, 0, 1]] if packed else [[0, 1, 2, 3]])
     q = rand(rng, dtype, b, t, H, HD)
     k, v = rand(rng, dtype, b, t, KV, HD), rand(rng, dtype, b, t, KV, HD)
     dout = rand(rng, dtype, b, t, H * HD)
     att, out = np.zeros((b, H, t, t), dtype), np.zeros((b, t, H * HD), dtype)
-    host, dev, _ = run_both(*both("forward"), q, k, v, att, out, scalars=(window,))
+    host, dev, _ = run_both(*both("forward", window), q, k, v, att, out, positions)
     same(host, dev)
     att = host[3]
     grads = [np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)]
-    backward = run_both(*both("backward"), q, k, v, att, dout, *grads, scalars=(window,))
+    backward = run_both(*both("backward", window), q, k, v, att, dout, *grads, positions)
     same(*backward[:2])
     if window >= t:  # a window covering the sequence is global attention, bit for bit
-        _, forward_global, _ = run_both(*both("forward"), q, k, v, att, out, scalars=(0,))
-        _, backward_global, _ = run_both(*both("backward"), q, k, v, att, dout, *grads,
-                                         scalars=(0,))
+        _, forward_global, _ = run_both(*both("forward", 0), q, k, v, att, out, positions)
+        _, backward_global, _ = run_both(*both("backward", 0), q, k, v, att, dout, *grads, positions)
         for ours, glob in zip(dev + backward[1], forward_global + backward_global):
             np.testing.assert_array_equal(ours, glob)
+    if packed:
+        return
     # decode over a cache whose slots hold the attended positions out of order (a ring buffer)
     first = max(t - window, 0) if window > 0 else 0
     order = np.roll(np.arange(first, t), 1)
     cache_k, cache_v = np.zeros((b, 6, KV, HD), dtype), np.zeros((b, 6, KV, HD), dtype)
     cache_k[:, : len(order)], cache_v[:, : len(order)] = k[:, order], v[:, order]
     q_last, n_valid = np.ascontiguousarray(q[:, -1:]), len(order)
-    decode = [lambda q, kc, vc, out, f=f: f(q, kc, vc, n_valid, out) for f in both("decode")]
+    decode = [lambda q, kc, vc, out, f=f: f(q, kc, vc, n_valid, out) for f in kernels("decode")]
     same(*run_both(*decode, q_last, cache_k, cache_v, np.zeros((b, 1, H * HD), dtype))[:2])
 
 

@@ -127,9 +127,11 @@ def test_gated_mlp(k, prefix):
     check(loss, [gate_up], [dgate_up], rng)
 
 
-@pytest.mark.parametrize(("seq", "window"), [(1, 0), (6, 0), (6, 2), (6, 6)])
+# packed: each row holds two examples (positions restart at 0 at token 3)
+@pytest.mark.parametrize(("seq", "window", "packed"), [(1, 0, False), (6, 0, False), (6, 2, False),
+                                                       (6, 6, False), (6, 0, True), (6, 2, True)])
 @pytest.mark.parametrize("prefix", ATTENTION_SCALES)
-def test_attention(k, seq, window, prefix):
+def test_attention(k, seq, window, packed, prefix):
     forward, backward = getattr(k, f"{prefix}_forward"), getattr(k, f"{prefix}_backward")
     rng = np.random.default_rng(seq)
     q, kk, v = (
@@ -138,16 +140,19 @@ def test_attention(k, seq, window, prefix):
         rng.standard_normal((2, seq, KV, HD)),
     )
     c = rng.standard_normal((2, seq, H * HD))
+    positions = np.tile(np.arange(seq), (2, 1))
+    if packed:
+        positions[:, 3:] = np.arange(seq - 3)
 
     def loss(q, kk, v):
         att, out = np.empty((2, H, seq, seq)), np.empty((2, seq, H * HD))
-        forward(q, kk, v, att, out, window)
+        forward(q, kk, v, att, out, window, positions)
         return float(np.sum(c * out))
 
     att, out = np.empty((2, H, seq, seq)), np.empty((2, seq, H * HD))
     dq, dk, dv = np.empty_like(q), np.empty_like(kk), np.empty_like(v)
-    forward(q, kk, v, att, out, window)
-    backward(q, kk, v, att, c, dq, dk, dv, window)
+    forward(q, kk, v, att, out, window, positions)
+    backward(q, kk, v, att, c, dq, dk, dv, window, positions)
     check(loss, [q, kk, v], [dq, dk, dv], rng)
 
 

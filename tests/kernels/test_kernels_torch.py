@@ -337,43 +337,72 @@ def test_float64_rope_tables_are_float64_angles(k, prefix):
     np.testing.assert_allclose(sin, angles.sin().numpy(), rtol=1e-15, atol=1e-15)
 
 
+def packed_positions(rng, b, seq, packed):
+    """(b, seq) positions of the tokens in their examples: 0..seq-1 per row, or with `packed`
+    rows holding several examples from random starts (position 0 at each)."""
+    positions = np.tile(np.arange(seq), (b, 1))
+    if packed:
+        for row in positions:
+            for start in sorted(rng.choice(np.arange(1, seq), size=min(3, seq - 1), replace=False)):
+                row[start:] = np.arange(seq - start)
+    return positions
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("b", "seq", "offset"), [(1, 1, 0), (2, 5, 0), (1, 3, 7)])
-def test_rope(k, dtype, b, seq, offset):
+@pytest.mark.parametrize(("b", "seq", "packed"), [(1, 1, False), (2, 5, False), (2, 9, True)])
+def test_rope(k, dtype, b, seq, packed):
     rng = np.random.default_rng(seq)
     cos, sin = np.empty((MAX_SEQ, HD // 2), dtype), np.empty((MAX_SEQ, HD // 2), dtype)
     k.rope_tables(cos, sin)
     x, dy = rand(rng, (b, seq, H, HD), dtype), rand(rng, (b, seq, H, HD), dtype)
+    positions = packed_positions(rng, b, seq, packed)
     y = x.copy()
-    k.rope_forward(y, cos, sin, offset)
-    positions = torch.arange(offset, offset + seq)[None].expand(b, seq)
+    k.rope_forward(y, cos, sin, positions)
     tx = t(x, True)
     # transformers' rotation, fed our tables (which test_rope_tables_match_transformers compares)
-    full_cos = torch.cat([t(cos), t(cos)], -1)[positions]
-    full_sin = torch.cat([t(sin), t(sin)], -1)[positions]
+    # at each token's position (position_ids, as transformers takes them for packed rows)
+    full_cos = torch.cat([t(cos), t(cos)], -1)[torch.from_numpy(positions)]
+    full_sin = torch.cat([t(sin), t(sin)], -1)[torch.from_numpy(positions)]
     ty, _ = apply_rotary_pos_emb(tx, tx, full_cos, full_sin, unsqueeze_dim=2)
     close(y, ty, dtype, "rope")
-    if offset == 0:
-        ty.backward(t(dy))
-        dx = dy.copy()
-        k.rope_backward(dx, cos, sin)
-        close(dx, tx.grad, dtype, "rope")
+    ty.backward(t(dy))
+    dx = dy.copy()
+    k.rope_backward(dx, cos, sin, positions)
+    close(dx, tx.grad, dtype, "rope")
 
 
-def attention_mask(seq, window):
-    """allowed[t, j]: position t attends to j, written out: j <= t, and with a window W > 0 also
-    j > t - W (transformers' sliding_window_overlay: kv_idx > q_idx - sliding_window)."""
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("position", [0, 7, MAX_SEQ - 1])
+def test_rope_decode(k, dtype, position):
+    # one new token per sequence at `position`: the full rotation's row at that position
+    rng = np.random.default_rng(position)
+    cos, sin = np.empty((MAX_SEQ, HD // 2), dtype), np.empty((MAX_SEQ, HD // 2), dtype)
+    k.rope_tables(cos, sin)
+    x = rand(rng, (2, 1, H, HD), dtype)
+    y, expected = x.copy(), x.copy()
+    k.rope_decode(y, cos, sin, position)
+    k.rope_forward(expected, cos, sin, np.full((2, 1), position))
+    np.testing.assert_array_equal(y, expected)
+
+
+def attention_mask(seq, window, positions=None):
+    """allowed[b, t, j] (or [t, j] without positions): position t attends to j, written out:
+    j <= t, with a window W > 0 also j > t - W (transformers' sliding_window_overlay: kv_idx >
+    q_idx - sliding_window), and with `positions` (B, T) j in t's example: j >= t - positions[t]."""
     t_idx, j_idx = torch.arange(seq)[:, None], torch.arange(seq)[None, :]
     allowed = j_idx <= t_idx
     if window > 0:
         allowed &= j_idx > t_idx - window
+    if positions is not None:
+        example_start = torch.arange(seq)[None, :] - torch.from_numpy(positions)
+        allowed = allowed[None] & (j_idx[None] >= example_start[:, :, None])
     return allowed
 
 
-def torch_attention(q, k_, v, scale, window):
+def torch_attention(q, k_, v, scale, window, positions):
     # q (B,T,H,hd), k, v (B,T,KV,hd) -> (B,T,H*hd), via SDPA with an explicit boolean mask
     qt, kt, vt = (a.transpose(1, 2) for a in (q, k_, v))
-    mask = attention_mask(q.shape[1], window)
+    mask = attention_mask(q.shape[1], window, positions)[:, None]
     out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1)
 
@@ -382,9 +411,12 @@ def torch_attention(q, k_, v, scale, window):
 # and longer than T (both the global result)
 # The kernels work in blocks of 4 rows and 4 columns: the cases cover every remainder of T by 4,
 # windows that start inside a block and on its edge, and windows wider than T.
-ATTENTION_CASES = [(1, 1, 0), (2, 5, 0), (1, 17, 0), (2, 5, 3), (1, 17, 1), (1, 17, 4),
-                   (1, 17, 17), (2, 5, 9), (1, 16, 0), (2, 14, 6), (1, 19, 5), (1, 12, 4),
-                   (2, 23, 7)]
+# Packed rows (several examples, random starts) with and without a window.
+ATTENTION_CASES = [(1, 1, 0, False), (2, 5, 0, False), (1, 17, 0, False), (2, 5, 3, False),
+                   (1, 17, 1, False), (1, 17, 4, False), (1, 17, 17, False), (2, 5, 9, False),
+                   (1, 16, 0, False), (2, 14, 6, False), (1, 19, 5, False), (1, 12, 4, False),
+                   (2, 23, 7, False), (2, 5, 0, True), (2, 17, 0, True), (1, 12, 4, True),
+                   (2, 23, 7, True)]
 
 
 def attention_inputs(rng, b, seq, dtype):
@@ -396,39 +428,58 @@ def attention_inputs(rng, b, seq, dtype):
     return q, kk, v, rand(rng, (b, seq, H * HD), dtype)
 
 
-def run_attention(k, prefix, q, kk, v, dout, window):
-    """(att, out, dq, dk, dv) of kernels `prefix` with `window`, every output starting as NaN."""
+def run_attention(k, prefix, q, kk, v, dout, window, positions=None):
+    """(att, out, dq, dk, dv) of kernels `prefix` with `window` and `positions` (default: one
+    sequence per row), every output starting as NaN."""
     b, seq = q.shape[:2]
+    positions = np.tile(np.arange(seq), (b, 1)) if positions is None else positions
     att = np.full((b, H, seq, seq), np.nan, q.dtype)
     out = np.full((b, seq, H * HD), np.nan, q.dtype)
     dq, dk, dv = np.full_like(q, np.nan), np.full_like(kk, np.nan), np.full_like(v, np.nan)
-    getattr(k, f"{prefix}_forward")(q, kk, v, att, out, window)
-    getattr(k, f"{prefix}_backward")(q, kk, v, att, dout, dq, dk, dv, window)
+    getattr(k, f"{prefix}_forward")(q, kk, v, att, out, window, positions)
+    getattr(k, f"{prefix}_backward")(q, kk, v, att, dout, dq, dk, dv, window, positions)
     return att, out, dq, dk, dv
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("b", "seq", "window"), ATTENTION_CASES)
+@pytest.mark.parametrize(("b", "seq", "window", "packed"), ATTENTION_CASES)
 @pytest.mark.parametrize("prefix", ATTENTION_SCALES)
-def test_attention(k, dtype, b, seq, window, prefix):
+def test_attention(k, dtype, b, seq, window, packed, prefix):
     # attn: scale 1/sqrt(head_dim); attn_scaled: another scale
     scale = ATTENTION_SCALES[prefix]
     rng = np.random.default_rng(seq)
     q, kk, v, dout = attention_inputs(rng, b, seq, dtype)
-    att, out, dq, dk, dv = run_attention(k, prefix, q, kk, v, dout, window)
-    tq, tk, tv = t(q, True), t(kk, True), t(v, True)
-    tout = torch_attention(tq, tk, tv, scale, window)
-    tout.backward(t(dout))
+    positions = packed_positions(rng, b, seq, packed)
+    att, out, dq, dk, dv = run_attention(k, prefix, q, kk, v, dout, window, positions)
+    # torch in float64 on the same values: a float32 torch reference errs as much as we do
+    wide = [a.astype(np.float64) for a in (q, kk, v, dout)]
+    tq, tk, tv = t(wide[0], True), t(wide[1], True), t(wide[2], True)
+    tout = torch_attention(tq, tk, tv, scale, window, positions)
+    tout.backward(t(wide[3]))
     close(out, tout, dtype, "attention")
     close(dq, tq.grad, dtype, "attention")
     close(dk, tk.grad, dtype, "attention")
     close(dv, tv.grad, dtype, "attention")
-    scores = torch.einsum("bthd,bjhd->bhtj", t(q), t(kk).repeat_interleave(H // KV, 2)) * scale
-    masked = scores.masked_fill(~attention_mask(seq, window), -torch.inf)
+    scores = torch.einsum("bthd,bjhd->bhtj", t(wide[0]), t(wide[1]).repeat_interleave(H // KV, 2)) * scale
+    masked = scores.masked_fill(~attention_mask(seq, window, positions)[:, None], -torch.inf)
     close(att, masked.softmax(-1), dtype, "attention")
     if window >= seq:  # a window covering the whole sequence is global attention, bit for bit
-        for ours, glob in zip((att, out, dq, dk, dv), run_attention(k, prefix, q, kk, v, dout, 0)):
+        for ours, glob in zip((att, out, dq, dk, dv),
+                              run_attention(k, prefix, q, kk, v, dout, 0, positions)):
             np.testing.assert_array_equal(ours, glob)
+    if packed:  # each example of a packed row computes what it computes alone
+        starts = [(row, start) for row in range(b) for start in np.flatnonzero(positions[row] == 0)]
+        for row, start in starts:
+            stop = start + 1
+            while stop < seq and positions[row, stop]:
+                stop += 1
+            alone = run_attention(*(k, prefix), *(np.ascontiguousarray(a[row : row + 1, start:stop])
+                                                 for a in (q, kk, v, dout)), window)
+            packed_part = (att[row, :, start:stop, start:stop], out[row, start:stop],
+                           dq[row, start:stop], dk[row, start:stop], dv[row, start:stop])
+            for ours, theirs in zip(packed_part, alone):
+                close(ours, theirs[0], dtype, "attention")
+        return
     # decode: the last query against a cache of the positions it attends to equals the last row.
     # A sliding layer's cache is a ring buffer of its window (position p in slot p % W), so the
     # slots are not in position order; slots past n_valid must not be read.
@@ -458,8 +509,9 @@ def test_attention_on_views_of_fused_rows(k, dtype, window):
     out = np.full((b, seq, H * HD), np.nan, dtype)
     dqkv = np.full_like(qkv, np.nan)
     dq, dk, dv = dqkv[:, :, :H], dqkv[:, :, H : H + KV], dqkv[:, :, H + KV :]
-    k.attn_forward(q, kk, v, att, out, window)
-    k.attn_backward(q, kk, v, att, dout, dq, dk, dv, window)
+    positions = np.tile(np.arange(seq), (b, 1))
+    k.attn_forward(q, kk, v, att, out, window, positions)
+    k.attn_backward(q, kk, v, att, dout, dq, dk, dv, window, positions)
     contiguous = [np.ascontiguousarray(a) for a in (q, kk, v, dout)]
     expected = run_attention(k, "attn", *contiguous, window)
     for ours, theirs in zip((att, out, dq, dk, dv), expected):

@@ -73,23 +73,25 @@ def test_residual(seed):
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("config", CONFIGS)
 def test_rope(config, seed):
-    """rope forward with integer cos/sin tables == rotate c s x1 x2 per (b, t, h) at position
-    offset + t; backward == rotateT c s g1 g2 at position t (Lean law rotation_adjoint)."""
+    """rope forward with integer cos/sin tables == rotate c s x1 x2 per (b, t, h) at each token's
+    position in its packed example; backward == rotateT c s g1 g2 there (Lean law
+    rotation_adjoint); decode == rotate at one position."""
     case_rope(CPU, config, seed)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("window", [0, 2, 3])
-def test_attention_backward(config, seed, window):
+@pytest.mark.parametrize(("window", "packed"), [(0, False), (2, False), (3, False), (0, True), (3, True)])
+def test_attention_backward(config, seed, window, packed):
     """attention backward with causal att of dyadic probabilities (multiples of 1/8, some rows
     one-hot): for O = P V, dP == matMul G (transpose V) (Lean law matmul_adjoint_left) and
     dV == Σ_group matMul (transpose P) G (matmul_adjoint_right); dS = hadamard P (dP - rowsum), the
     softmax backward (no Lean law, exact here); for S = scale Q Kᵀ, dQ == scale matMul dS K
     (matmul_adjoint_left) and dK == Σ_group scale matMul (transpose dS) Q (matmul_adjoint_right).
     The scale is 1/sqrt(head_dim) or another power of two; with a sliding window (2, 3) P is zero
-    outside it and the backward is given the window."""
-    case_attention_backward(CPU, config, seed, window)
+    outside it and the backward is given the window; packed rows hold several examples, P is zero
+    across them and the backward is given each token's position in its example."""
+    case_attention_backward(CPU, config, seed, window, packed)
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -282,33 +282,54 @@ def case_frozen_linear(target: Target, seed: int):
 # rope, with integer cos/sin tables
 
 
+def packed_positions(d: Draw, b: int, t: int) -> np.ndarray:
+    """(b, t) positions of tokens in rows that pack examples at random starts (position 0 at each
+    example's first token); the first example has 2 tokens or more where t > 1, so that the softmax
+    backward is not zero; seed 0 gives one example per row."""
+    positions = np.zeros((b, t), dtype=np.int64)
+    for bi in range(b):
+        starts = {0} | ({int(i) for i in d.rng.integers(2, t, size=t // 2)} if t > 2 and not d.ones else set())
+        for i in range(t):
+            positions[bi, i] = i - max(start for start in starts if start <= i)
+    return positions
+
+
 def case_rope(target: Target, config: str, seed: int):
     c = CONFIGS[config]
     kern = target.kernels(config_blocks(config))
     d = Draw(seed)
     half = c["rope_head_dim"] // 2
     b, t, h = d.size(2), d.size(), d.size(3)
-    offset = 0 if d.ones else int(d.rng.integers(0, MAX_SEQ - t + 1))
+    positions = packed_positions(d, b, t)
     # integer "cos" and "sin" tables: the law holds for any values c, s
     cos, sin = d.ints(MAX_SEQ, half, low=-3, high=3), d.ints(MAX_SEQ, half, low=-3, high=3)
     x, g = d.ints(b, t, h, 2 * half), d.ints(b, t, h, 2 * half)
     C, S, X, G = as_ints(cos), as_ints(sin), as_ints(x), as_ints(g)
 
-    y = run(target, kern.rope_forward, x, cos, sin, scalars=(offset,))[0]
+    y = run(target, kern.rope_forward, x, cos, sin, positions)[0]
     expected = np.zeros_like(x)
     for bi, ti, hi in np.ndindex(b, t, h):
-        v = X[bi][ti][hi]
-        o1, o2 = exact.rotate(C[offset + ti], S[offset + ti], v[:half], v[half:])
+        v, pos = X[bi][ti][hi], positions[bi, ti]
+        o1, o2 = exact.rotate(C[pos], S[pos], v[:half], v[half:])
         expected[bi, ti, hi] = o1 + o2
-    assert_exact(y, expected, f"rope forward = rotate (positions from {offset})")
+    assert_exact(y, expected, f"rope forward = rotate (at positions {positions.tolist()})")
 
-    dx = run(target, kern.rope_backward, g, cos, sin)[0]
+    dx = run(target, kern.rope_backward, g, cos, sin, positions)[0]
     expected = np.zeros_like(g)
     for bi, ti, hi in np.ndindex(b, t, h):
-        v = G[bi][ti][hi]
-        o1, o2 = exact.rotate_t(C[ti], S[ti], v[:half], v[half:])
+        v, pos = G[bi][ti][hi], positions[bi, ti]
+        o1, o2 = exact.rotate_t(C[pos], S[pos], v[:half], v[half:])
         expected[bi, ti, hi] = o1 + o2
-    assert_exact(dx, expected, "rope backward = rotateT (positions from 0)")
+    assert_exact(dx, expected, f"rope backward = rotateT (at positions {positions.tolist()})")
+
+    # decoding: one new token per sequence at one position
+    position = 0 if d.ones else int(d.rng.integers(0, MAX_SEQ))
+    y = run(target, kern.rope_decode, x[:, :1], cos, sin, scalars=(position,))[0]
+    for bi, hi in np.ndindex(b, h):
+        v = X[bi][0][hi]
+        o1, o2 = exact.rotate(C[position], S[position], v[:half], v[half:])
+        expected[bi, 0, hi] = o1 + o2
+    assert_exact(y, expected[:, :1], f"rope decode = rotate (at position {position})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,11 +345,11 @@ def attention_scale(config: str) -> float:
 PROB_BITS = 3  # attention probabilities are multiples of 2**-PROB_BITS
 
 
-def dyadic_causal(d: Draw, b: int, heads: int, t: int, window: int = 0) -> np.ndarray:
+def dyadic_causal(d: Draw, b: int, heads: int, t: int, window: int, positions: np.ndarray) -> np.ndarray:
     """Integer numerators of causal attention probabilities with denominator 2**PROB_BITS.
 
     Most rows spread 2**PROB_BITS units over all the columns row i attends to, j <= i (and with a
-    window W > 0, j > i - W), each at least 1 (t <= 2**PROB_BITS here): positive there and summing
+    window W > 0, j > i - W; and from the start of i's example, i - positions[i]), each at least 1 (t <= 2**PROB_BITS here): positive there and summing
     to 1 after the division, that is exactly a softmax output (of the logs of the entries). The
     other rows are one-hot at a random one of those columns (a limit of softmax outputs).
     Not one-hot only: with a one-hot P the softmax backward dS = P ⊙ (dP - rowsum) is identically
@@ -338,7 +359,7 @@ def dyadic_causal(d: Draw, b: int, heads: int, t: int, window: int = 0) -> np.nd
     assert t <= units
     num = np.zeros((b, heads, t, t), dtype=np.int64)
     for bi, hi, i in np.ndindex(b, heads, t):
-        start = max(i - window + 1, 0) if window > 0 else 0
+        start = max(i - window + 1 if window > 0 else 0, i - int(positions[bi, i]))
         width = i + 1 - start if d.rng.random() < 0.8 else 1  # some rows one-hot
         cols = np.sort(d.rng.choice(np.arange(start, i + 1), size=width, replace=False))
         # a random composition of `units` into `width` positive parts
@@ -348,9 +369,10 @@ def dyadic_causal(d: Draw, b: int, heads: int, t: int, window: int = 0) -> np.nd
     return num
 
 
-def case_attention_backward(target: Target, config: str, seed: int, window: int = 0):
-    """With a window W > 0, att is zero outside t - W < j <= t and the backward is given W: the
-    products are the same matMul adjoints, restricted to the window by the zeros of P."""
+def case_attention_backward(target: Target, config: str, seed: int, window: int, packed: bool):
+    """With a window W > 0, att is zero outside t - W < j <= t and the backward is given W; with
+    `packed`, rows hold several examples (random starts) and att is zero across them, the backward
+    given the positions: the products are the same matMul adjoints, masked by the zeros of P."""
     c = CONFIGS[config]
     kern = target.kernels(config_blocks(config))
     d = Draw(seed)
@@ -365,10 +387,12 @@ def case_attention_backward(target: Target, config: str, seed: int, window: int 
     # Pᵀ G = (Nᵀ G) / u, and dS = P ⊙ (dP - rowsum) = (N ⊙ (u dP - rowsum_N)) / u² with
     # rowsum_N[i] = dot N[i] dP[i].
     u = 2**PROB_BITS
-    num = dyadic_causal(d, b, heads, t, window)
+    positions = packed_positions(d, b, t) if packed else np.tile(np.arange(t), (b, 1))
+    num = dyadic_causal(d, b, heads, t, window, positions)
     att = num.astype(np.float64) / u
     garbage = [np.full(a.shape, 99.0) for a in (q, k, v)]
-    dq, dk, dv = run(target, kern.attn_backward, q, k, v, att, dout, *garbage, scalars=(window,))[5:]
+    backward = lambda *arrays: kern.attn_backward(*arrays[:-1], window, arrays[-1])  # noqa: E731
+    dq, dk, dv = run(target, backward, q, k, v, att, dout, *garbage, positions)[5:8]
 
     dout4 = dout.reshape(b, t, heads, hd)
     exp_dq, exp_dk, exp_dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
@@ -414,7 +438,8 @@ def case_attention_forward_one_token(target: Target, config: str, seed: int):
     group, b = heads // kv, d.size(3)
     q, k, v = d.ints(b, 1, heads, hd), d.ints(b, 1, kv, hd), d.ints(b, 1, kv, hd)
     att0, out0 = np.full((b, heads, 1, 1), 99.0), np.full((b, 1, heads * hd), 99.0)
-    att, out = run(target, kern.attn_forward, q, k, v, att0, out0, scalars=(0,))[3:]
+    forward = lambda *arrays: kern.attn_forward(*arrays[:-1], 0, arrays[-1])  # noqa: E731
+    att, out = run(target, forward, q, k, v, att0, out0, np.zeros((b, 1), np.int64))[3:5]
     assert_exact(att, np.ones((b, heads, 1, 1)), "attention forward, T = 1: P = [[1]]")
     expected = np.zeros((b, 1, heads, hd))
     for bi, h in np.ndindex(b, heads):

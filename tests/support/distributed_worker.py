@@ -39,7 +39,8 @@ SEQ = 16
 def decoder_pairs():
     """pydoc_data folded into llama_tiny's 96 ids (as tests/train/test_train.py), with some targets
     ignored: a scattered fifth of them, and every fifth row entirely, so that the ranks' slices of
-    a batch count different numbers of targets, sometimes none."""
+    a batch count different numbers of targets, sometimes none. The training rows are packed: a
+    second example starts at a random place of most rows (their `positions` restart there)."""
     llama = project_package("llama_tiny")
 
     train_documents, held_out_documents = split_documents(load_corpus(None)[:12], seed=0)
@@ -54,7 +55,10 @@ def decoder_pairs():
     train_targets = train_targets.copy()
     train_targets[np.random.default_rng(1).random(train_targets.shape) < 0.2] = IGNORED_TARGET
     train_targets[::5] = IGNORED_TARGET
-    return (train_inputs, train_targets), held_out
+    positions = np.tile(np.arange(SEQ), (len(train_inputs), 1))
+    for row, start in enumerate(np.random.default_rng(2).integers(0, SEQ, len(positions))):
+        positions[row, start:] = np.arange(SEQ - start)
+    return (train_inputs, train_targets, positions), held_out
 
 
 def training_data(run):
@@ -89,8 +93,8 @@ class ReportsBuckets:
     def __getattr__(self, name):
         return getattr(self.model, name)
 
-    def loss_and_grads(self, inputs, targets, on_grads_ready=None):
-        loss = self.model.loss_and_grads(inputs, targets)
+    def loss_and_grads(self, inputs, targets, on_grads_ready=None, positions=None):
+        loss = self.model.loss_and_grads(inputs, targets, positions=positions)
         for index in range(len(self.grad_buckets)):
             # how many pieces the exchange had started before this report
             self.started.append(on_grads_ready.__self__.next_piece)
@@ -112,7 +116,7 @@ class Faulty:
     def __getattr__(self, name):
         return getattr(self.model, name)
 
-    def loss_and_grads(self, inputs, targets, on_grads_ready=None):
+    def loss_and_grads(self, inputs, targets, on_grads_ready=None, positions=None):
         self.steps += 1
         if self.armed and self.steps == self.at_step:
             if self.kind == "nan":
@@ -123,7 +127,7 @@ class Faulty:
                 time.sleep(3600)
             elif self.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
-        return self.model.loss_and_grads(inputs, targets, on_grads_ready)
+        return self.model.loss_and_grads(inputs, targets, on_grads_ready, positions)
 
     def to_safetensors(self, path):
         if self.armed and self.kind == "save_raises" and self.steps >= self.at_step:

@@ -67,7 +67,8 @@ def relative_error(ours, theirs, floor: float = 1e-30) -> float:
 def check_against_torch(data: dict, batch: tuple[int, int], seed: int, device: str = "cpu",
                         fused: bool = False) -> None:
     """Loss, logits and every parameter gradient of the generated package equal the torch
-    reference's to RTOL (float64), and for a decoder, decoding with the cache equals the full
+    reference's to RTOL (float64), a decoder's loss and gradients on rows packing several
+    examples (random starts), and for a decoder, decoding with the cache equals the full
     forward pass; with `fused`, so does the package's decode step for quantized weights
     (`fused_decoding`; on the CPU compiled anew for each spec, 6 s here: the corpus, whose specs do
     not change, checks it)."""
@@ -77,9 +78,11 @@ def check_against_torch(data: dict, batch: tuple[int, int], seed: int, device: s
     model.load_tensors(tensors, "fuzz")
     rng = np.random.default_rng(seed + 1)
     B, T = batch
+    packed = {}
     if spec.form == "decoder":
         inputs = rng.integers(0, spec.embedding.vocab_size, (B, T))
         targets = rng.integers(0, spec.embedding.vocab_size, (B, T))
+        packed = {"positions": packed_positions(rng, B, T)}
     else:
         inputs = rng.normal(0.0, 1.0, (B, spec.input_dim))
         targets = rng.integers(0, spec.output_dim, B)
@@ -88,7 +91,10 @@ def check_against_torch(data: dict, batch: tuple[int, int], seed: int, device: s
     # MLP squares the stream's scale and a block may hold nine, so three blocks can pass 1e308
     assume(np.isfinite(loss) and all(np.isfinite(a).all() for a in (logits, *grads.values())))
     assert relative_error(model.forward(inputs), logits) < RTOL, "logits"
-    ours = model.loss_and_grads(inputs, targets)
+    if packed:  # the loss and gradients of rows packing several examples
+        _, loss, grads = loss_and_grads(Reference(spec, tensors), inputs, targets, **packed)
+        assume(np.isfinite(loss) and all(np.isfinite(a).all() for a in grads.values()))
+    ours = model.loss_and_grads(inputs, targets, **packed)
     assert abs(ours - loss) <= RTOL * abs(loss), f"loss {ours} != {loss}"
     our_grads = model.tensors(package.Parameters(model.device.to_host(model.grads.flat)))
     # the trainable parameters' gradients: every one, unless the spec freezes a base (LoRA)
@@ -104,6 +110,17 @@ def check_against_torch(data: dict, batch: tuple[int, int], seed: int, device: s
         if fused and spec.lora is None:
             fused = fused_decoding(model, inputs[:1])
             assert relative_error(fused, logits[0, -1]) < RTOL, "the fused decode step"
+
+
+def packed_positions(rng, B: int, T: int) -> np.ndarray:
+    """(B, T) positions of rows that pack examples from random starts (0 at each); with T > 2 the
+    first row holds two examples or more."""
+    positions = np.tile(np.arange(T), (B, 1))
+    for row in range(B):
+        starts = rng.choice(np.arange(1, T), size=rng.integers(row == 0, T // 2 + 1), replace=False) if T > 2 else []
+        for start in sorted(starts):
+            positions[row, start:] = np.arange(T - start)
+    return positions
 
 
 def fused_decoding(model, ids: np.ndarray) -> np.ndarray:

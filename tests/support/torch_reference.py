@@ -37,10 +37,10 @@ def layer_norm(reference, x, layer: LayerNorm, name: str):
 
 
 def rotate(x, theta, positions):
-    """Llama's rotate_half RoPE on (B, heads, T, head_dim), positions (T,)."""
+    """Llama's rotate_half RoPE on (B, heads, T, head_dim), positions (B, T)."""
     half = x.shape[-1] // 2
     inv_freq = 1.0 / theta ** (torch.arange(0, 2 * half, 2, dtype=torch.float64) / (2 * half))
-    angles = positions[:, None].to(torch.float64) * inv_freq[None, :]
+    angles = positions[:, None, :, None].to(torch.float64) * inv_freq  # (B, 1, T, half)
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     x1, x2 = x[..., :half], x[..., half:]
     return x * cos + torch.cat([-x2, x1], -1) * sin
@@ -102,7 +102,7 @@ class Reference(torch.nn.Module):
                                   @ self.w(f"{name}.lora_B.weight").T)
         return y
 
-    def attention(self, a: Attention, prefix: str, x, layer: int):
+    def attention(self, a: Attention, prefix: str, x, layer: int, positions):
         B, T, _ = x.shape
         H, KV, HD = a.n_heads, a.n_kv_heads, a.head_dim
 
@@ -116,7 +116,6 @@ class Reference(torch.nn.Module):
             k = rms_norm(k, self.w(f"{prefix}.k_norm.weight"), a.qk_norm.eps, a.qk_norm.unit_offset)
         kind = a.type_of_layer(layer)
         if a.rope is not None:
-            positions = torch.arange(T)
             q, k = rotate(q, kind.rope_theta, positions), rotate(k, kind.rope_theta, positions)
         k = k.repeat_interleave(H // KV, dim=1)
         v = v.repeat_interleave(H // KV, dim=1)
@@ -125,7 +124,9 @@ class Reference(torch.nn.Module):
         allowed = j <= t
         if kind.window:
             allowed &= j > t - kind.window
-        scores = scores.masked_fill(~allowed, -math.inf)
+        # a row packing several examples: t attends to j only from its example's first token on
+        allowed = allowed[None] & (j[None] >= (torch.arange(T) - positions)[:, :, None])
+        scores = scores.masked_fill(~allowed[:, None], -math.inf)
         y = torch.softmax(scores, -1) @ v  # (B, H, T, HD)
         return self.projection(f"{prefix}.o_proj", y.transpose(1, 2).reshape(B, T, H * HD),
                                a.out_bias, "o")
@@ -137,41 +138,47 @@ class Reference(torch.nn.Module):
         act = torch.nn.functional.silu if m.activation == "swiglu" else gelu_tanh
         return project("down", act(project("gate", x)) * project("up", x))
 
-    def block(self, items, x, layer: int):
+    def block(self, items, x, layer: int, positions):
         for item in items:
             prefix = f"model.layers.{layer}.{item.name}"
             if isinstance(item.layer, BlockResidual):
-                x = x + self.block(item.body, x, layer)
+                x = x + self.block(item.body, x, layer, positions)
             elif isinstance(item.layer, RMSNorm):
                 x = rms_norm(x, self.w(f"{prefix}.weight"), item.layer.eps, item.layer.unit_offset)
             elif isinstance(item.layer, LayerNorm):
                 x = layer_norm(self, x, item.layer, prefix)
             elif isinstance(item.layer, Attention):
-                x = self.attention(item.layer, prefix, x, layer)
+                x = self.attention(item.layer, prefix, x, layer, positions)
             elif isinstance(item.layer, MLP):
                 x = self.mlp(item.layer, prefix, x)
         return x
 
-    def forward(self, inputs):
+    def forward(self, inputs, positions=None):
+        """Logits; a decoder's `positions` (B, T) are each token's position in its example
+        (default: 0..T-1 in every row), the examples packed in a row attending within themselves."""
         spec = self.spec
         if isinstance(spec, SequentialModel):
             return self.sequential(spec.layers, inputs, "layer")
         assert isinstance(spec, DecoderModel)
         embed = self.w("model.embed_tokens.weight")
         x = embed[inputs] * spec.embedding.scale
+        B, T = inputs.shape
+        positions = torch.arange(T).expand(B, T) if positions is None else torch.as_tensor(positions)
         items = spec.block_items()
         for layer in range(spec.block.count):
-            x = self.block(items, x, layer)
+            x = self.block(items, x, layer, positions)
         norm = spec.final_norm
         x = rms_norm(x, self.w("model.norm.weight"), norm.eps, norm.unit_offset)
         head = embed if spec.lm_head.tied else self.w("lm_head.weight")
         return x @ head.T
 
 
-def loss_and_grads(reference: Reference, inputs, targets):
-    """(logits, loss, {tensor name: gradient}) of mean cross-entropy, float64."""
+def loss_and_grads(reference: Reference, inputs, targets, positions=None):
+    """(logits, loss, {tensor name: gradient}) of mean cross-entropy, float64; a decoder's
+    `positions` as `Reference.forward` takes them."""
     reference.zero_grad()
-    logits = reference(torch.as_tensor(inputs))
+    packed = {} if positions is None else {"positions": positions}
+    logits = reference(torch.as_tensor(inputs), **packed)
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                              torch.as_tensor(targets).reshape(-1))
     loss.backward()

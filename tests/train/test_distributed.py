@@ -1,6 +1,6 @@
 """Data-parallel training under `mpiexec` on localhost, against the same training in one process:
 2 ranks give one rank's losses and final weights within 1e-12 relative over 10 float64 steps (the
-reduced decoder and the digits MLP, sharded optimizer state or not, one bucket or many), repeats
+reduced decoder on packed rows and the digits MLP, sharded optimizer state or not, one bucket or many), repeats
 are bit-identical (also with 3 ranks, where the order of a sum matters), a 2-rank checkpoint
 resumes with 1 rank and with 2 (sharded too), and a fault on one rank stops every rank with one
 line, a non-zero exit and the last checkpoint intact. LoRA (adapters on frozen base weights) trains on 2 ranks as

@@ -72,16 +72,18 @@ def test_text_loss_is_transformers_loss_on_every_window(tiny_models, kind, tmp_p
 
 def test_chat_loss_counts_the_answers_only_as_transformers_does(smollm2_folder, smollm2_reference, tmp_path):
     data = write_chats(tmp_path / "chats.jsonl")
-    result = evaluate_folder(smollm2_folder, data, seq=64, batch=2)
+    result = evaluate_folder(smollm2_folder, data, seq=128, batch=2)
     tokens = FolderTokens(smollm2_folder, 49152, "smollm2_135m")
-    rows = tokens.example_rows(tokens.examples(data, None), 64, None)
-    assert result["rows"] == len(CHATS) and result["tokens"] == rows.target_count
+    # pyml eval packs the chats as training does; the reference runs each in a row of its own
+    rows = tokens.example_rows(tokens.examples(data, None), 128, None, packing=False)
+    assert result["examples"] == len(CHATS) and result["rows"] < len(CHATS)
+    assert result["tokens"] == rows.target_count
     # the answers' tokens and one end-of-turn each, nothing of the prompts or the padding
     answers = [message["content"] for chat in CHATS for message in chat if message["role"] == "assistant"]
     assert rows.target_count == sum(len(tokens.tokenizer.encode(answer).ids) + 1 for answer in answers)
     expected = reference_loss(smollm2_reference[0], rows.inputs, rows.targets)
     assert result["loss"] == pytest.approx(expected, rel=2e-5)
-    everything = evaluate_folder(smollm2_folder, data, seq=64, batch=2, train_on="all")
+    everything = evaluate_folder(smollm2_folder, data, seq=128, batch=2, train_on="all")
     assert everything["tokens"] > result["tokens"] and everything["loss"] != pytest.approx(result["loss"])
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -119,7 +120,7 @@ def test_a_padded_row_computes_what_the_example_alone_does():
     rng = np.random.default_rng(0)
     ids = rng.integers(0, llama.model.VOCAB, 9).tolist()
     example = examples.Example("x:1", ids, [False, False, False] + [True] * 6)
-    rows = examples.rows([example], seq=16, pad_id=0, long_examples="truncate")
+    rows = examples.rows([example], seq=16, pad_id=0, long_examples="truncate", packing=False)
     padded_loss = model.loss_and_grads(rows.inputs, rows.targets)
     padded_grads = model.grads.flat.copy()
     targets = np.array([[t if keep else IGNORED_TARGET for t, keep in zip(ids[1:], example.targets[1:])]])
@@ -131,12 +132,12 @@ def test_a_padded_row_computes_what_the_example_alone_does():
 def test_long_examples_are_truncated_or_dropped_and_counted():
     long = examples.Example("x:1", list(range(30)), [False] * 5 + [True] * 25)
     short = examples.Example("x:2", list(range(5)), [False, True, True, True, True])
-    truncated = examples.rows([long, short], seq=10, pad_id=0, long_examples="truncate")
+    truncated = examples.rows([long, short], seq=10, pad_id=0, long_examples="truncate", packing=False)
     assert (truncated.truncated, truncated.dropped, len(truncated.inputs)) == (1, 0, 2)
     assert truncated.inputs[0].tolist() == list(range(10))
     assert truncated.targets[0].tolist() == [IGNORED_TARGET] * 4 + list(range(5, 11))
     assert truncated.targets[1].tolist() == [1, 2, 3, 4] + [IGNORED_TARGET] * 6
-    dropped = examples.rows([long, short], seq=10, pad_id=0, long_examples="drop")
+    dropped = examples.rows([long, short], seq=10, pad_id=0, long_examples="drop", packing=False)
     assert (dropped.truncated, dropped.dropped, len(dropped.inputs)) == (0, 1, 1)
 
 
@@ -171,19 +172,29 @@ def test_bad_data_is_named_by_file_and_line_and_nothing_is_written(tiny_folders,
     assert sorted(path.name for path in tmp_path.iterdir()) == ["bad.jsonl"]
 
 
-def test_a_tiny_chat_fine_tune_runs_end_to_end(tiny_folders, tmp_path):
-    """`pyml train --data chats.jsonl`: answers-only targets, a held-out share, checkpoints."""
+@pytest.mark.parametrize("packing", [None, False])
+def test_a_tiny_chat_fine_tune_runs_end_to_end(tiny_folders, tmp_path, capsys, packing):
+    """`pyml train --data chats.jsonl`: answers-only targets, a held-out share, checkpoints; the
+    chats packed several to a row by default, one per row with --no-packing."""
     from pyml.train.run import train
 
     chats = tmp_path / "chats.jsonl"
-    lines = [json.dumps({"messages": [{"role": "user", "content": f"the cat {n}"},
-                                      {"role": "assistant", "content": f"sat on the mat {n}"}]})
+    lines = [json.dumps({"messages": [{"role": "user", "content": f"cat {n}"},
+                                      {"role": "assistant", "content": f"mat {n}"}]})
              for n in range(20)]
     chats.write_text("\n".join(lines) + "\n")
     result = train(ROOT / "specs" / "llama_tiny.toml", init=tiny_folders["llama"], data=chats, steps=2,
-                   batch=2, seq=32, eval_every=1, eval_batches=1, out=tmp_path / "run", progress=False)
+                   batch=2, seq=64, eval_every=1, eval_batches=1, out=tmp_path / "run", progress=False,
+                   packing=packing)
     assert result.step == 2 and result.checkpoint is not None
     assert all(np.isfinite(evaluation["loss"]) for evaluation in result.evaluations)
+    log = capsys.readouterr().out
+    rows = int(re.search(rf"data: {re.escape(str(chats))}: 18 train examples \(\d+ target tokens\) in (\d+) "
+                         r"rows, .* 0 truncated", log).group(1))
+    if packing is False:
+        assert rows == 18 and "packed" not in log
+    else:  # a chat takes at most 32 places in the tiny byte-level vocabulary: two or more to a row
+        assert rows <= 9 and "packed" in log
 
 
 @pytest.mark.slow

@@ -128,11 +128,11 @@ def test_metrics_record_each_steps_rate_and_a_resumed_schedule_continues_exactly
     straight = run(pairs, tmp_path / "straight", cfg)
     calls = []
 
-    def train_step_stopped_at_4(model, optimizer, inputs, targets, slices):
+    def train_step_stopped_at_4(model, optimizer, inputs, targets, slices, positions=None):
         calls.append(1)
         if len(calls) == 4:
             signal.raise_signal(signal.SIGINT)  # Ctrl-C during step 4: saved, then resumed
-        return llama.train_step(model, optimizer, inputs, targets, slices)
+        return llama.train_step(model, optimizer, inputs, targets, slices, positions)
 
     interrupting = SimpleNamespace(AdamW=llama.AdamW, train_step=train_step_stopped_at_4)
     model = llama.Model.initialized(seed=0, dtype=np.float64)
@@ -169,11 +169,11 @@ def test_tensorboard_shows_the_metrics_and_a_resume_drops_what_a_crash_logged_pa
     run(pairs, tmp_path / "straight", cfg)
     calls = []
 
-    def train_step_crashing_in_6(model, optimizer, inputs, targets, slices):
+    def train_step_crashing_in_6(model, optimizer, inputs, targets, slices, positions=None):
         calls.append(1)
         if len(calls) == 6:
             raise RuntimeError("power cut")  # step 5 is logged, the last checkpoint is step 4's
-        return llama.train_step(model, optimizer, inputs, targets, slices)
+        return llama.train_step(model, optimizer, inputs, targets, slices, positions)
 
     crashing = SimpleNamespace(AdamW=llama.AdamW, train_step=train_step_crashing_in_6)
     model = llama.Model.initialized(seed=0, dtype=np.float64)

@@ -81,11 +81,11 @@ def test_resume_continues_bit_identically(tiny_text, tmp_path):
 def test_ctrl_c_saves_the_step_in_flight_and_resume_continues(tiny_text, tmp_path):
     calls = []
 
-    def train_step_with_ctrl_c(model, optimizer, inputs, targets, slices):
+    def train_step_with_ctrl_c(model, optimizer, inputs, targets, slices, positions=None):
         calls.append(1)
         if len(calls) == 4:
             signal.raise_signal(signal.SIGINT)  # as if the user pressed Ctrl-C during step 4
-        return llama.train_step(model, optimizer, inputs, targets, slices)
+        return llama.train_step(model, optimizer, inputs, targets, slices, positions)
 
     interrupting = SimpleNamespace(AdamW=llama.AdamW, train_step=train_step_with_ctrl_c)
     # the handler in place before the run must be back after it. A handler of the test's own, not
@@ -109,10 +109,10 @@ def test_ctrl_c_saves_the_step_in_flight_and_resume_continues(tiny_text, tmp_pat
 
 
 def test_a_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tiny_text, tmp_path):
-    def train_step_with_nan_weights(model, optimizer, inputs, targets, slices):
+    def train_step_with_nan_weights(model, optimizer, inputs, targets, slices, positions=None):
         if optimizer.step_count == 4:  # step 5 sees a NaN weight, so a NaN loss
             model.params.flat[0] = np.nan
-        return llama.train_step(model, optimizer, inputs, targets, slices)
+        return llama.train_step(model, optimizer, inputs, targets, slices, positions)
 
     poisoned = SimpleNamespace(AdamW=llama.AdamW, train_step=train_step_with_nan_weights)
     with pytest.raises(PymlError, match=r"step 5: non-finite loss .*step_000004.*--resume"):

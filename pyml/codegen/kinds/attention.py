@@ -5,7 +5,11 @@ Decoding appends the new position's k and v to the layer's cache and attends ove
 
 The window is 0 for global causal attention (t attends to every j <= t) or W > 0 for
 sliding-window attention, t attending to t - W < j <= t (transformers' sliding_window_overlay:
-kv_idx > q_idx - sliding_window); W >= T gives the global result, bit for bit.
+kv_idx > q_idx - sliding_window); W >= T gives the global result, bit for bit. Training rows may
+pack several examples: `positions` (B, T) gives each token's position in its example (restarting
+at 0 at each), and t attends to j only within its example (`row_start`), as the examples would one
+by one; with positions[b, t] = t a row is one sequence. The masks are data to the laws: P is zero
+outside them.
 
 The CPU kernels (attention_cpu.py.j2) run in Numba, 4 rows at a time: 4 query rows against 4 key
 rows, with 16 sums in registers over head_dim, for the scores S = Q Kᵀ and dP = dO Vᵀ; 4 output
@@ -42,7 +46,7 @@ class Attention(Kind):
         y = Act(op.outputs[0])
         window = Code(f"{op.attrs['window']}[l]")
         if env.mode == "train":
-            return [kernel(op.prefix, "forward", q, k, v, *aux(op), y, window)]
+            return [kernel(op.prefix, "forward", q, k, v, *aux(op), y, window, Code("s.positions"))]
         index = env.attention_index(op)
         if env.mode == "decode":
             return [Call("c.append", (Code(str(index)), Code("l"), Code("position"), k, v),
@@ -58,7 +62,7 @@ class Attention(Kind):
     def adjoint(self, op: Op, env: BackwardEnv) -> list[Statement]:
         dq, dk, dv = (env.input_gradient(op, index, False) for index in range(3))
         return [kernel(op.prefix, "backward", *inputs(op), *aux(op), Grad(op.outputs[0]),
-                       dq[0], dk[0], dv[0], Code(f"{op.attrs['window']}[l]")),
+                       dq[0], dk[0], dv[0], Code(f"{op.attrs['window']}[l]"), Code("s.positions")),
                 *dq[1], *dk[1], *dv[1]]
 
 

@@ -1,6 +1,8 @@
 """rope: the rotary position embedding of q and k heads in place, by the cos/sin table of the
 op's layer type: a block rotation, whose adjoint is the transposed rotation (Lean law
-rotation_adjoint), applied to the gradient in place."""
+rotation_adjoint), applied to the gradient in place. Each token is rotated by the table's row of
+its position in its example (`s.positions`: 0, 1, ... from each example packed in a row); the
+rows are data to the law, which holds for any cos and sin."""
 
 from __future__ import annotations
 
@@ -20,8 +22,8 @@ class Rope(Kind):
 
     def kernels(self, context: dict) -> dict[str, tuple[str, dict]]:
         # the tables are the model's (`DecoderModel.rope`), filled once by rope_tables
-        return {"forward": ("rope_forward", {}), "backward": ("rope_backward", {}),
-                "tables": ("rope_tables", {"theta": context["theta"]})}
+        return {"forward": ("rope_forward", {}), "decode": ("rope_decode", {}),
+                "backward": ("rope_backward", {}), "tables": ("rope_tables", {"theta": context["theta"]})}
 
     def forward(self, op: Op, env: ForwardEnv) -> list[Statement]:
         x = Act(op.inputs[0])
@@ -29,14 +31,17 @@ class Rope(Kind):
             table = op.attrs["tables"]
             cos = StepInput(f"{table.lower()}_cos", f"tuple(model.rope[t][0] for t in {table})", "[l]")
             sin = StepInput(f"{table.lower()}_sin", f"tuple(model.rope[t][1] for t in {table})", "[l]")
-            return [self.call(op, env, "forward", x, cos, sin, Code("position"))]
-        offset = Code("position" if env.mode == "decode" else "0")
-        return [table_lookup(op), self.call(op, env, "forward", x, Code("cos"), Code("sin"), offset)]
+            return [self.call(op, env, "decode", x, cos, sin, Code("position"))]
+        if env.mode == "decode":
+            return [table_lookup(op), self.call(op, env, "decode", x, Code("cos"), Code("sin"), Code("position"))]
+        # each token at its position in its example (`s.positions`, restarting at each packed one)
+        return [table_lookup(op), self.call(op, env, "forward", x, Code("cos"), Code("sin"), Code("s.positions"))]
 
     def adjoint(self, op: Op, env: BackwardEnv) -> list[Statement]:
         # in place: the rotated gradient replaces the gradient of the rotation
         return [table_lookup(op),
-                self.call(op, env, "backward", Grad(op.outputs[0]), Code("cos"), Code("sin"))]
+                self.call(op, env, "backward", Grad(op.outputs[0]), Code("cos"), Code("sin"),
+                          Code("s.positions"))]
 
 
 KIND = Rope()

@@ -8,7 +8,7 @@ import *`), so a generated model calls each kernel as `k.name`: the kinds' kerne
 the same for every model (AdamW, the residual joins), and what the rendered kernels call.
 """
 
-from pyml.package.cpu.attention import clear_outside_window, window_start
+from pyml.package.cpu.attention import clear_outside_window, row_start
 from pyml.package.kernels_cpu import (
     adamw_grad_norm,
     adamw_scale,
@@ -55,7 +55,7 @@ from pyml.package.cpu.rmsnorm import (
     rmsnorm_forward,
     rmsnorm_forward_residual,
 )
-from pyml.package.cpu.rope import rope_backward, rope_forward, rope_tables
+from pyml.package.cpu.rope import rope_backward, rope_decode, rope_forward, rope_tables
 from pyml.package.vector_math import (
     MAX_LANES,
     dot_float64,
@@ -73,7 +73,7 @@ __all__ = [
     "layernorm_unbiased_backward_add",
     "layernorm_unbiased_forward",
     "clear_outside_window",
-    "window_start",
+    "row_start",
     "adamw_grad_norm",
     "adamw_scale",
     "adamw_step",
@@ -108,6 +108,7 @@ __all__ = [
     "rmsnorm_forward",
     "rmsnorm_forward_residual",
     "rope_backward",
+    "rope_decode",
     "rope_forward",
     "rope_tables",
     "MAX_LANES",

@@ -5,9 +5,16 @@ from numba import njit
 
 
 @njit(cache=True)
-def window_start(t, window):
-    # the first position that position t attends to: window 0 is global causal attention
-    return max(t - window + 1, 0) if window > 0 else 0
+def row_start(positions, b, t, window):
+    # the first position that token t of row b attends to: the start of its window (window 0 is
+    # global causal attention), and never before the first token of its example. positions[b, t]
+    # is t's position in its example, so a window packing several examples (`positions` restarting
+    # at 0 at each) attends within each example only; one example per row has positions[b, t] = t.
+    # Both bounds grow with t, so a block's first row has the smallest start of the block.
+    start = t - positions[b, t]
+    if window > 0:
+        return max(t - window + 1, start)
+    return start
 
 
 @njit(cache=True)

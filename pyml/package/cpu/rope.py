@@ -33,16 +33,15 @@ def rope_tables(cos, sin, theta):
 
 
 @njit(cache=True, parallel=True)
-def rope_forward(x, cos, sin, positions_offset):
-    # x is (B, T, H, head_dim), rotated in place; token t sits at position positions_offset + t.
+def rope_forward(x, cos, sin, positions):
+    # x is (B, T, H, head_dim), rotated in place; token t of row b sits at positions[b, t] (B, T):
+    # t for a row holding one sequence, restarting at 0 at each example packed in a row.
     n_batch, n_tokens, n_heads = x.shape[0], x.shape[1], x.shape[2]
     half = cos.shape[1]
-    if positions_offset + n_tokens > cos.shape[0]:
-        raise ValueError("sequence longer than the rope tables' max_seq_len")
     for bt in prange(n_batch * n_tokens):
         b = bt // n_tokens
         t = bt % n_tokens
-        pos = positions_offset + t
+        pos = positions[b, t]
         for h in range(n_heads):
             for i in range(half):
                 x1 = x[b, t, h, i]
@@ -52,8 +51,25 @@ def rope_forward(x, cos, sin, positions_offset):
 
 
 @njit(cache=True, parallel=True)
-def rope_backward(dx, cos, sin):
-    # in the forward pass this was (positions 0..T-1):
+def rope_decode(x, cos, sin, position):
+    # x is (B, 1, H, head_dim): one new token per sequence, at `position`, rotated in place.
+    n_batch, n_heads = x.shape[0], x.shape[2]
+    half = cos.shape[1]
+    if position >= cos.shape[0]:
+        raise ValueError("sequence longer than the rope tables' max_seq_len")
+    for bh in prange(n_batch * n_heads):
+        b = bh // n_heads
+        h = bh % n_heads
+        for i in range(half):
+            x1 = x[b, 0, h, i]
+            x2 = x[b, 0, h, i + half]
+            x[b, 0, h, i] = x1 * cos[position, i] - x2 * sin[position, i]
+            x[b, 0, h, i + half] = x2 * cos[position, i] + x1 * sin[position, i]
+
+
+@njit(cache=True, parallel=True)
+def rope_backward(dx, cos, sin, positions):
+    # in the forward pass this was (token t of row b at pos = positions[b, t]):
     #   out1 = x1 * cos - x2 * sin,  out2 = x2 * cos + x1 * sin
     # so now we have the transposed rotation (sin -> -sin), in place on dx (B, T, H, head_dim):
     #   dx1 = d1 * cos + d2 * sin,  dx2 = d2 * cos - d1 * sin
@@ -62,9 +78,10 @@ def rope_backward(dx, cos, sin):
     for bt in prange(n_batch * n_tokens):
         b = bt // n_tokens
         t = bt % n_tokens
+        pos = positions[b, t]
         for h in range(n_heads):
             for i in range(half):
                 d1 = dx[b, t, h, i]
                 d2 = dx[b, t, h, i + half]
-                dx[b, t, h, i] = d1 * cos[t, i] + d2 * sin[t, i]
-                dx[b, t, h, i + half] = d2 * cos[t, i] - d1 * sin[t, i]
+                dx[b, t, h, i] = d1 * cos[pos, i] + d2 * sin[pos, i]
+                dx[b, t, h, i + half] = d2 * cos[pos, i] - d1 * sin[pos, i]

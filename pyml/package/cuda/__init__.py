@@ -5,7 +5,7 @@ function launches its kernels on device arrays; tested under Numba's CUDA simula
 This module's names are what every generated kernels_cuda.py re-exports, as pyml.package.cpu's.
 """
 
-from pyml.package.cuda.attention import window_start
+from pyml.package.cuda.attention import row_start
 from pyml.package.kernels_cuda import (
     adamw_grad_norm,
     adamw_scale,
@@ -47,7 +47,7 @@ from pyml.package.cuda.rmsnorm import (
     rmsnorm_forward,
     rmsnorm_forward_residual,
 )
-from pyml.package.cuda.rope import rope_backward, rope_forward
+from pyml.package.cuda.rope import rope_backward, rope_decode, rope_forward
 
 __all__ = [
     "layernorm_backward",
@@ -56,7 +56,7 @@ __all__ = [
     "layernorm_unbiased_backward",
     "layernorm_unbiased_backward_add",
     "layernorm_unbiased_forward",
-    "window_start",
+    "row_start",
     "adamw_grad_norm",
     "adamw_scale",
     "adamw_step",
@@ -89,5 +89,6 @@ __all__ = [
     "rmsnorm_forward",
     "rmsnorm_forward_residual",
     "rope_backward",
+    "rope_decode",
     "rope_forward",
 ]

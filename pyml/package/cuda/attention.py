@@ -5,6 +5,9 @@ from numba import cuda
 
 
 @cuda.jit(device=True)
-def window_start(t, window):
-    # the first position that position t attends to: window 0 is global causal attention
-    return max(t - window + 1, 0) if window > 0 else 0
+def row_start(positions, b, t, window):
+    # the first position that token t of row b attends to, as pyml.package.cpu.attention.row_start
+    start = t - positions[b, t]
+    if window > 0:
+        return max(t - window + 1, start)
+    return start
