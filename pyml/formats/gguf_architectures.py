@@ -1,4 +1,4 @@
-"""What a llama, qwen2 or gemma3 GGUF means: its hyper-parameters, tensors, Hugging Face form and spec.
+"""What a llama, qwen2, qwen3 or gemma3 GGUF means: its hyper-parameters, tensors, Hugging Face form and spec.
 
 A GGUF names its architecture in `general.architecture` and keeps the hyper-parameters under
 `{architecture}.*` metadata keys; what the file does not state, llama.cpp fixes per architecture
@@ -11,7 +11,8 @@ Hugging Face config.json, and the pyml spec of the model.
 The two changes llama.cpp's converter (convert_hf_to_gguf.py) makes, which we undo:
 - llama: the Q and K rows of each head are reordered so that rotary pairs are neighbours
   (its `permute`); Hugging Face rotates the halves of each head, so we put the rows back. qwen2
-  is converted without the reordering: llama.cpp rotates it in the NEOX (halves) layout.
+  and qwen3 are converted without the reordering: llama.cpp rotates them in the NEOX (halves)
+  layout.
 - gemma3: Gemma's RMSNorm multiplies by (1 + w); the converter stores 1 + w so that llama.cpp can
   multiply by the stored gain, and transformers' GGUF loader subtracts 1 again (in float32). We do
   the same, so our weights equal transformers'. Gemma's Q and K rows are not reordered: llama.cpp
@@ -28,7 +29,7 @@ import numpy as np
 from pyml.errors import PymlError
 from pyml.formats.gguf_read import GGUFFile
 
-SUPPORTED = ("llama", "qwen2", "gemma3")
+SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3")
 
 # GGUF -> Hugging Face names of the tensors outside the blocks, for both architectures.
 GLOBAL_NAMES = {
@@ -105,6 +106,8 @@ def architecture_of(gguf: GGUFFile) -> Llama:
         return Llama(gguf)
     if architecture == "qwen2":
         return Qwen2(gguf)
+    if architecture == "qwen3":
+        return Qwen3(gguf)
     if architecture == "gemma3":
         return Gemma3(gguf)
     raise PymlError(
@@ -118,6 +121,7 @@ class Llama:
     name = "llama"
     hf_class = "LlamaForCausalLM"
     qkv_bias = False  # biases on the q, k and v projections (not on the output's)
+    qk_norm = False  # an RMSNorm of each q and k head (its gain w, no unit offset)
     # GGUF name within block i ("blk.{i}.") -> Hugging Face name within "model.layers.{i}.".
     block_names = {
         "attn_norm.weight": "input_layernorm.weight",
@@ -271,6 +275,8 @@ class Llama:
         }
         if self.qkv_bias:
             attention["qkv_bias"] = True
+        if self.qk_norm:
+            attention["qk_norm"] = {"eps": dims.rms_norm_eps}
         return {
             "name": name,
             "form": "decoder",
@@ -321,6 +327,35 @@ class Qwen2(Llama):
         for llama_only in ("attention_bias", "mlp_bias"):
             del config[llama_only]
         return config | {"model_type": "qwen2", "use_sliding_window": False}
+
+
+class Qwen3(Llama):
+    """A qwen3-architecture GGUF (Qwen3's dense models): Llama's block with an RMSNorm of each q
+    and k head before the rotation (QK-norm), its Q and K rows as Hugging Face stores them."""
+
+    name = "qwen3"
+    hf_class = "Qwen3ForCausalLM"
+    qk_norm = True
+    block_names = Llama.block_names | {
+        "attn_q_norm.weight": "self_attn.q_norm.weight",
+        "attn_k_norm.weight": "self_attn.k_norm.weight",
+    }
+
+    def block_shapes(self) -> dict[str, tuple[int, ...]]:
+        dims = self.dims
+        return super().block_shapes() | {
+            "attn_q_norm.weight": (dims.head_dim,),
+            "attn_k_norm.weight": (dims.head_dim,),
+        }
+
+    def hf_weight(self, gguf_name: str, weight: np.ndarray) -> np.ndarray:
+        return weight
+
+    def hf_config(self, tied: bool) -> dict[str, object]:
+        """config.json without the special token ids: the Hugging Face Qwen3Config."""
+        config = super().hf_config(tied)
+        del config["mlp_bias"]  # Qwen3Config has attention_bias only
+        return config | {"model_type": "qwen3", "use_sliding_window": False}
 
 
 class Gemma3(Llama):

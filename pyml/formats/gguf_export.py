@@ -62,7 +62,7 @@ EXPORT_TYPES = {
     "q4_1": (GGMLType.Q4_1, 3),
 }
 # config.json's model_type -> the GGUF architecture.
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "gemma3_text": "gemma3"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
 BYTE_TOKEN = 6  # llama.cpp's LLAMA_TOKEN_TYPE_BYTE: <0x00>..<0xFF> of a SentencePiece vocabulary
 ADDED_TOKEN_SCORE = -1000.0  # what the converter scores added (control, user-defined) tokens
 SPECIAL_TOKENS = {
@@ -157,7 +157,7 @@ def architecture_metadata(model_dir: Path, config: dict) -> dict[str, object]:
         f"{name}.attention.layer_norm_rms_epsilon": value("rms_norm_eps", float),
         f"{name}.rope.freq_base": value("rope_theta", float),
     }
-    if name in ("llama", "qwen2"):
+    if name in ("llama", "qwen2", "qwen3"):
         metadata[f"{name}.vocab_size"] = value("vocab_size", int)
         metadata[f"{name}.rope.dimension_count"] = head_dim
     else:

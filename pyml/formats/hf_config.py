@@ -2,7 +2,8 @@
 
 A model folder's config.json is Hugging Face's description of the model its spec.toml declares: a
 LlamaConfig for a spec whose block is Llama's (the decoder shorthand), a Qwen2Config for Llama's
-block with biases on the q, k and v projections only, a Gemma3TextConfig for one whose block is
+block with biases on the q, k and v projections only, a Qwen3Config for Llama's block with
+QK-norm (gains without a unit offset) and no biases, a Gemma3TextConfig for one whose block is
 Gemma 3's (pre- and post-norms around attention and MLP). From the spec we derive the
 config fields it determines and compare them with the file's, field by field, so that a folder
 holding another model is refused with the fields that differ.
@@ -61,8 +62,8 @@ def common_fields(spec: DecoderModel, attention: Attention, mlp: MLP) -> dict[st
 
 
 def not_describable(spec: DecoderModel, attention: Attention, mlp: MLP, gemma: bool) -> list[str]:
-    """What of the spec its family's config has no field for (gemma: Gemma 3, else Llama or
-    Qwen2)."""
+    """What of the spec its family's config has no field for (gemma: Gemma 3, else Llama, Qwen2
+    or Qwen3)."""
     norms = [spec.final_norm, *block_layers(spec, RMSNorm)]
     norms += [attention.qk_norm] if attention.qk_norm else []
     types = [attention.type_of_layer(l) for l in range(spec.block.count)]
@@ -78,8 +79,8 @@ def not_describable(spec: DecoderModel, attention: Attention, mlp: MLP, gemma: b
     if not gemma:
         if any(norm.unit_offset for norm in norms):
             problems.append("unit-offset norms")
-        if attention.qk_norm is not None:
-            problems.append("QK-norm")
+        if attention.qk_norm is not None and (attention.qkv_bias or mlp.bias):
+            problems.append("QK-norm with biases")
         if attention.pattern is not None:
             problems.append("attention pattern")
         if attention.scale is not None:
@@ -108,13 +109,16 @@ def described_config(spec: DecoderModel) -> tuple[dict[str, object], list[str]]:
     gemma = kinds == GEMMA3_BLOCK
     (attention,), (mlp,) = block_layers(spec, Attention), block_layers(spec, MLP)
     qwen2 = not gemma and attention.qkv_bias and not attention.out_bias
-    fields = {"model_type": "gemma3_text" if gemma else "qwen2" if qwen2 else "llama"}
-    fields |= common_fields(spec, attention, mlp)
+    qwen3 = not gemma and attention.qk_norm is not None
+    model_type = "gemma3_text" if gemma else "qwen3" if qwen3 else "qwen2" if qwen2 else "llama"
+    fields = {"model_type": model_type} | common_fields(spec, attention, mlp)
     activation = HF_ACTIVATIONS[mlp.activation]
     if not gemma:
         fields |= {"hidden_act": activation}
-        if not qwen2:
+        if model_type == "llama":
             fields |= {"attention_bias": attention.qkv_bias, "mlp_bias": mlp.bias}
+        elif qwen3:
+            fields |= {"attention_bias": attention.qkv_bias}
         return fields, not_describable(spec, attention, mlp, gemma)
     types = [attention.type_of_layer(l) for l in range(spec.block.count)]
     sliding = [kind for kind in types if kind.window]

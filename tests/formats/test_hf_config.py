@@ -75,11 +75,29 @@ def test_transformers_qwen2_config_describes_llamas_block_with_q_k_v_biases():
 
 
 def test_what_no_config_can_describe_is_named():
-    qk_norm = parse_spec(llama_spec(qk_norm={"eps": 1e-5}), "odd.toml")
-    assert config_mismatches(qk_norm, {"model_type": "llama"}) == [
-        "config.json cannot describe the spec's QK-norm"]
     data = llama_spec()
     norm = {"kind": "rmsnorm", "dim": 8}
     data["block"] = {"count": 1, "layers": [norm, {"kind": "residual", "body": [norm]}]}
     assert config_mismatches(parse_spec(data, "odd.toml"), {"model_type": "llama"}) == [
         "model_type is 'llama' in config.json but the spec is neither Llama nor Gemma 3"]
+
+
+def test_transformers_qwen3_config_describes_llamas_block_with_qk_norm():
+    from transformers import Qwen3Config
+
+    spec = parse_spec(llama_spec(qk_norm={"eps": 1e-5}), "qwen3.toml")
+    saved = Qwen3Config(vocab_size=11, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                        max_position_embeddings=16, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                        rope_theta=10000.0).to_dict()
+    assert config_mismatches(spec, saved) == []
+    assert config_mismatches(spec, saved | {"head_dim": 8}) == [
+        "head_dim is 8 in config.json but 4 in the spec"]
+    assert config_mismatches(spec, llama_tiny_config()) == [
+        "model_type is 'llama' in config.json but the spec is 'qwen3'"]
+    with_biases = parse_spec(llama_spec(qk_norm={"eps": 1e-5}, qkv_bias=True), "odd.toml")
+    assert config_mismatches(with_biases, {"model_type": "qwen3"}) == [
+        "config.json cannot describe the spec's QK-norm with biases"]
+    gemma_like = parse_spec(llama_spec(qk_norm={"eps": 1e-5, "unit_offset": True}), "odd.toml")
+    assert config_mismatches(gemma_like, {"model_type": "qwen3"}) == [
+        "config.json cannot describe the spec's unit-offset norms"]

@@ -6,7 +6,8 @@ metadata), imported with `pyml import-gguf`. The llama one has `specs/llama_tiny
 that gen/llama_tiny trains it; the gemma one is small and has six layers (five sliding-window
 ones and a global one), a user-defined token and a SentencePiece vocabulary. The qwen2 one is the
 llama one with biases on its q, k and v projections, Q and K rows as Hugging Face stores them
-(qwen2 is converted without the reordering) and Qwen2's pre-tokenizer.
+(qwen2 is converted without the reordering) and Qwen2's pre-tokenizer; the qwen3 one has no
+biases but QK-norm gains, and heads of 128 (QWEN3).
 """
 
 from pathlib import Path
@@ -30,6 +31,9 @@ LLAMA = {
 # GGUF loader by 256 ** -0.5 whatever head_dim is (it leaves query_pre_attn_scalar at its default).
 GEMMA = {"hidden": 64, "layers": 6, "heads": 2, "kv_heads": 1, "head_dim": 256, "ffn": 96}
 GEMMA_WINDOW = 8
+# Heads of 128, as every Qwen3's: transformers' GGUF loader takes no head_dim from a qwen3 file
+# and uses Qwen3Config's default, 128.
+QWEN3 = LLAMA | {"head_dim": 128}
 
 # A byte-level vocabulary of 96 tokens (llama_tiny's): three control tokens, the byte symbols of
 # letters, digits, space, newline and some punctuation, and the tokens of 27 merges.
@@ -70,7 +74,8 @@ def llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
     )
 
 
-def block_shapes(dims: dict[str, int], gemma: bool, qkv_bias: bool = False) -> dict[str, tuple[int, ...]]:
+def block_shapes(dims: dict[str, int], gemma: bool, qkv_bias: bool = False,
+                 qk_norm: bool = False) -> dict[str, tuple[int, ...]]:
     hidden, ffn = dims["hidden"], dims["ffn"]
     q_rows, kv_rows = dims["heads"] * dims["head_dim"], dims["kv_heads"] * dims["head_dim"]
     shapes = {
@@ -86,10 +91,10 @@ def block_shapes(dims: dict[str, int], gemma: bool, qkv_bias: bool = False) -> d
     }
     if qkv_bias:
         shapes |= {"attn_q.bias": (q_rows,), "attn_k.bias": (kv_rows,), "attn_v.bias": (kv_rows,)}
+    if gemma or qk_norm:
+        shapes |= {"attn_q_norm.weight": (dims["head_dim"],), "attn_k_norm.weight": (dims["head_dim"],)}
     if gemma:
         shapes |= {
-            "attn_q_norm.weight": (dims["head_dim"],),
-            "attn_k_norm.weight": (dims["head_dim"],),
             "post_attention_norm.weight": (hidden,),
             "post_ffw_norm.weight": (hidden,),
         }
@@ -97,8 +102,8 @@ def block_shapes(dims: dict[str, int], gemma: bool, qkv_bias: bool = False) -> d
 
 
 def write_gguf(path: Path, architecture: str, dims: dict[str, int]) -> None:
-    """A tiny GGUF of `architecture` (llama, qwen2 or gemma3), every tensor float32."""
-    gemma, qwen2 = architecture == "gemma3", architecture == "qwen2"
+    """A tiny GGUF of `architecture` (llama, qwen2, qwen3 or gemma3), every tensor float32."""
+    gemma, qwen2, qwen3 = architecture == "gemma3", architecture == "qwen2", architecture == "qwen3"
     tokens = GEMMA_TOKENS if gemma else LLAMA_TOKENS
     writer = gguf.GGUFWriter(path, architecture)
     writer.add_context_length(64)
@@ -138,7 +143,7 @@ def write_gguf(path: Path, architecture: str, dims: dict[str, int]) -> None:
         writer.add_layer_norm_rms_eps(LLAMA_SPEC.final_norm.eps)
         writer.add_rope_freq_base(LLAMA_ATTENTION.rope.theta)
         writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("qwen2" if qwen2 else "smollm")
+        writer.add_tokenizer_pre("qwen2" if qwen2 or qwen3 else "smollm")
         writer.add_token_types([3] * len(LLAMA_SPECIAL) + [1] * (len(tokens) - len(LLAMA_SPECIAL)))
         writer.add_token_merges(LLAMA_MERGES)
         writer.add_bos_token_id(1)
@@ -156,7 +161,7 @@ def write_gguf(path: Path, architecture: str, dims: dict[str, int]) -> None:
     }
     for layer in range(dims["layers"]):
         shapes |= {
-            f"blk.{layer}.{name}": shape for name, shape in block_shapes(dims, gemma, qwen2).items()
+            f"blk.{layer}.{name}": shape for name, shape in block_shapes(dims, gemma, qwen2, qwen3).items()
         }
     for name, shape in shapes.items():
         if name.endswith("norm.weight"):  # a gain (for Gemma: 1 + w, as the converter stores it)
