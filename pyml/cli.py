@@ -344,6 +344,26 @@ def merge_lora(
     print(f"wrote {run_merge(base, adapter, out, overwrite=overwrite)}")
 
 
+@app.command()
+@user_errors
+def serve(
+    model: Annotated[Path, typer.Option(help="A model folder (from `pyml import-gguf`, a checkpoint or `pyml merge-lora`).")],
+    adapter: Annotated[Path | None, typer.Option(help="A LoRA checkpoint (or peft adapter folder) of --model, folded in first.")] = None,
+    host: Annotated[str, typer.Option(help="The address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="The port to listen on.")] = 8000,
+    max_queue: Annotated[int, typer.Option(help="Requests that may wait for the decoder; beyond them a request gets HTTP 429.")] = 16,
+    weights: Annotated[str, typer.Option(help="As `pyml generate --weights`.")] = "as-stored",
+    activations: Annotated[str, typer.Option(help="As `pyml generate --activations`.")] = "f32",
+) -> None:
+    """Serve the model with the OpenAI API: POST /v1/chat/completions and /v1/completions
+    (streaming or not), GET /v1/models and /health."""
+    try:
+        from pyml.generate.server import serve as run_server
+    except ModuleNotFoundError as error:
+        raise PymlError(f"pyml serve needs {error.name}: pip install 'pyml[serve]'") from None
+    run_server(model, host, port, max_queue, adapter, weights, activations)
+
+
 @app.command("eval")
 @user_errors
 def evaluate(

@@ -1,0 +1,337 @@
+"""`pyml serve`: the OpenAI chat-completions API over a model folder, on FastAPI and uvicorn.
+
+FastAPI (on Starlette) and uvicorn are what most Python model servers run on: request bodies are
+validated by Pydantic models, which pyml's specs already use, server-sent events are a streaming
+response, and uvicorn finishes in-flight requests on SIGTERM before it exits.
+
+Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sent events in
+OpenAI's chunk format, ending with `data: [DONE]`, or whole), GET /v1/models and GET /health.
+
+Requests are decoded by one worker thread, one sequence at a time, in arrival order; those waiting
+sit in a queue of `--max-queue`, and beyond it a request gets HTTP 429. Each request decodes exactly
+as it would alone (its own prompt, cache and seeded generator), so its tokens do not depend on the
+load. Batching the running sequences into one decode step is not built yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import queue
+import signal
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from pyml.errors import PymlError
+from pyml.formats.chat_template import ChatTemplate
+from pyml.generate import decoding
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class Sampling(BaseModel):
+    """The request fields every completion takes. Unknown fields are ignored, as OpenAI's server
+    ignores fields it does not use; a sampling option pyml does not implement is refused."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=1)
+
+
+class ChatRequest(Sampling):
+    messages: list[Message] = Field(min_length=1)
+
+
+class CompletionRequest(Sampling):
+    prompt: str = Field(min_length=1)
+
+
+DRAIN_SECONDS = 30  # how long a SIGTERM waits for the requests in flight
+UNSUPPORTED = ("top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
+               "logprobs", "tools")
+
+
+@dataclass
+class Job:
+    """One request's decoding: the worker fills `events` with ("text", delta) and finally
+    ("done", finish_reason, completion tokens); `cancelled` stops it at the next token."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stops: list[str]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, *event) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class Engine:
+    """The model, its tokenizer and template, and the worker thread that decodes the queued jobs."""
+
+    def __init__(self, model_dir: Path, decoder, name: str, max_queue: int):
+        self.model_dir, self.decoder, self.name = model_dir, decoder, name
+        self.tokenizer = decoding.load_tokenizer(model_dir)
+        self.template = ChatTemplate.of_folder(model_dir)
+        self.eos = decoding.eos_ids(model_dir)
+        self.context = getattr(decoder, "model", decoder).MAX_SEQ_LEN
+        self.jobs: queue.Queue[Job] = queue.Queue(max_queue)
+        self.active = 0  # jobs taken by the worker and not finished
+        self.worker = threading.Thread(target=self.run, name="pyml-decoder", daemon=True)
+        self.worker.start()
+
+    def run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            self.active = 1
+            try:
+                self.decode(job)
+            except Exception as error:  # a bug must not kill the worker: the request fails alone
+                job.emit("error", str(error))
+            finally:
+                self.active = 0
+
+    def decode(self, job: Job) -> None:
+        """Decode `job` token by token, sending the text that can no longer be part of a stop
+        string; stop at an end-of-turn token, a stop string (left out of the text), max_tokens
+        (the context's end included) or the job's cancellation."""
+        rng = np.random.default_rng(job.seed)
+        cache, logits = self.decoder.start_decoding(np.array([job.prompt_ids]),
+                                                    len(job.prompt_ids) + job.max_tokens)
+        new_ids: list[int] = []
+        sent, finish, cut = 0, "length", None  # sent: characters of the decoded text sent
+        while len(new_ids) < job.max_tokens and not job.cancelled.is_set():
+            token = decoding.next_token(logits[0], job.temperature, job.top_p, rng)
+            new_ids.append(token)
+            if token in self.eos:
+                finish = "stop"
+                break
+            text = self.tokenizer.decode(new_ids)
+            cut = first_stop(text, job.stops)
+            if cut is not None:
+                finish = "stop"
+                break
+            ready = len(text) - held_back(text, job.stops)
+            if ready > sent:
+                job.emit("text", text[sent:ready])
+                sent = ready
+            if len(new_ids) < job.max_tokens:
+                logits = self.decoder.decode(cache, np.array([token]))
+        if not job.cancelled.is_set():  # what was held back, up to a stop string found
+            text = self.tokenizer.decode(new_ids)  # an end-of-turn token decodes to nothing
+            end = len(text) if cut is None else cut
+            if end > sent:
+                job.emit("text", text[sent:end])
+        job.emit("done", finish, len(new_ids))
+
+
+def first_stop(text: str, stops: list[str]) -> int | None:
+    """Where the first stop string found in `text` begins, or None."""
+    found = [index for index in (text.find(stop) for stop in stops) if index >= 0]
+    return min(found) if found else None
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """How many characters at the end of `text` must wait: a character still being decoded
+    (U+FFFD of an incomplete UTF-8 sequence), or the longest end that begins a stop string."""
+    if text.endswith("\ufffd"):
+        return 1
+    return max((size for stop in stops for size in range(1, len(stop)) if text.endswith(stop[:size])),
+               default=0)
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}},
+                        status_code=status)
+
+
+def create_app(engine: Engine) -> FastAPI:
+    app = FastAPI(title="pyml", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"] if part != "body") or "body"
+        return error_response(400, f"{where}: {first['msg']}", where)
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "active": engine.active, "queued": engine.jobs.qsize()}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [
+            {"id": engine.name, "object": "model", "created": 0, "owned_by": "pyml"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request, body: ChatRequest):
+        if engine.template is None:
+            return error_response(400, f"{engine.name} has no chat template: use /v1/completions",
+                                  "messages")
+        text = engine.template.render([m.model_dump() for m in body.messages], add_generation_prompt=True)
+        ids = engine.tokenizer.encode(text, add_special_tokens=False).ids
+        return await complete(request, body, ids, "messages", chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest):
+        return await complete(request, body, engine.tokenizer.encode(body.prompt).ids, "prompt",
+                              chat=False)
+
+    async def complete(request: Request, body: Sampling, ids: list[int], field_name: str, chat: bool):
+        raw = await request.json()
+        unsupported = [name for name in UNSUPPORTED if raw.get(name) not in (None, False)]
+        if unsupported:
+            return error_response(400, f"{unsupported[0]} is not supported by pyml serve yet",
+                                  unsupported[0])
+        room = engine.context - len(ids)
+        if room < 1:
+            return error_response(400, f"{field_name}: the prompt has {len(ids)} tokens; the "
+                                  f"context holds {engine.context}", field_name)
+        asked = body.max_completion_tokens or body.max_tokens
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if any(not stop for stop in stops) or len(stops) > 4:
+            return error_response(400, "stop: up to 4 non-empty strings", "stop")
+        job = Job(ids, min(asked or room, room), body.temperature, body.top_p,
+                  body.seed if body.seed is not None else int(time.time_ns() % 2**32), stops,
+                  asyncio.get_running_loop())
+        try:
+            engine.jobs.put_nowait(job)
+        except queue.Full:
+            return error_response(429, "the server is busy: every queue place is taken; retry later",
+                                  kind="rate_limit_exceeded")
+        reply = Reply(engine.name, chat, len(ids))
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(stream(job, reply, include_usage), media_type="text/event-stream")
+        parts, finish, completion_tokens = [], "length", 0
+        while True:
+            try:
+                event = await asyncio.wait_for(job.events.get(), 0.5)
+            except TimeoutError:
+                if await request.is_disconnected():  # nobody waits for the answer any more
+                    job.cancelled.set()
+                    return error_response(499, "the client closed the request")
+                continue
+            if event[0] == "text":
+                parts.append(event[1])
+            elif event[0] == "error":
+                return error_response(500, event[1], kind="server_error")
+            else:
+                finish, completion_tokens = event[1], event[2]
+                break
+        return reply.whole("".join(parts), finish, completion_tokens)
+
+    async def stream(job: Job, reply: Reply, include_usage: bool):
+        try:
+            if reply.chat:
+                yield sse(reply.chunk({"role": "assistant", "content": ""}, None))
+            while True:
+                event = await job.events.get()
+                if event[0] == "text":
+                    if event[1]:
+                        yield sse(reply.chunk(event[1], None))
+                elif event[0] == "error":
+                    yield sse({"error": {"message": event[1], "type": "server_error"}})
+                    break
+                else:
+                    yield sse(reply.chunk("", event[1], final=True))
+                    if include_usage:
+                        yield sse(reply.usage_chunk(event[2]))
+                    break
+            yield "data: [DONE]\n\n"
+        finally:  # the client left, or the answer is whole: the worker stops at its next token
+            job.cancelled.set()
+
+    return app
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+@dataclass
+class Reply:
+    """The response objects of one request, in OpenAI's shapes."""
+
+    model: str
+    chat: bool
+    prompt_tokens: int
+    id: str = field(default_factory=lambda: f"pyml-{uuid.uuid4().hex[:24]}")
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def usage(self, completion_tokens: int) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.prompt_tokens + completion_tokens}
+
+    def whole(self, text: str, finish: str, completion_tokens: int) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice],
+                "usage": self.usage(completion_tokens)}
+
+    def chunk(self, content, finish: str | None, final: bool = False) -> dict:
+        if self.chat:
+            delta = {} if final else content if isinstance(content, dict) else {"content": content}
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": content, "finish_reason": finish, "logprobs": None}
+        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice]}
+
+    def usage_chunk(self, completion_tokens: int) -> dict:
+        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [],
+                "usage": self.usage(completion_tokens)}
+
+
+def serve(model_dir: Path, host: str, port: int, max_queue: int, adapter: Path | None = None,
+          weights: str = "as-stored", activations: str = "f32") -> None:
+    """Load the folder's model and serve it until SIGTERM or Ctrl-C: new connections are refused,
+    the requests in flight get DRAIN_SECONDS to finish, and a SIGTERM exits with status 0."""
+    import uvicorn
+
+    if max_queue < 1:
+        raise PymlError(f"--max-queue must be at least 1, not {max_queue}")
+    model_dir = Path(model_dir)
+    decoder = decoding.load_decoder(model_dir, weights=weights, adapter=adapter, activations=activations)
+    engine = Engine(model_dir, decoder, model_dir.resolve().name, max_queue)
+    # uvicorn drains on SIGTERM, then raises the signal again under the handler it found: this one
+    # lets the drained server return, so a SIGTERM ends it with status 0
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    uvicorn.run(create_app(engine), host=host, port=port, log_level="warning",
+                timeout_graceful_shutdown=DRAIN_SECONDS)

@@ -1,0 +1,176 @@
+"""`pyml serve` on the tiny Llama folder, started once for the module on a free port of 127.0.0.1 in
+a subprocess, and driven by the official `openai` client (and its HTTP client, httpx2, for malformed requests): its
+greedy answers are `pyml generate`'s tokens (pyml.generate.decoding.generate on the same folder),
+streamed or whole; stop strings end the text even across token boundaries; usage counts the tokens;
+answers do not depend on what else is running; bad requests get 400 with OpenAI's error body."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx2 as httpx  # the HTTP client the openai package itself depends on
+import pytest
+
+from pyml.formats.chat_template import ChatTemplate
+from pyml.generate import decoding
+
+openai = pytest.importorskip("openai")
+ROOT = Path(__file__).resolve().parents[2]
+QUESTION = [{"role": "user", "content": "the cat sat on the"}]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_folders):
+    """(the folder, the server's base URL) while `pyml serve` runs."""
+    folder, port = tiny_folders["llama"], free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pyml.cli", "serve", "--model", str(folder), "--port", str(port)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"pyml serve did not start: {process.stdout.read()[-3000:]}")
+        time.sleep(0.2)
+    yield folder, url
+    process.terminate()
+    assert process.wait(timeout=30) == 0  # SIGTERM: uvicorn stops cleanly
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server[1]}/v1", api_key="unused", max_retries=0)
+
+
+def generated(folder: Path, ids: list[int], max_tokens: int):
+    """`pyml generate`'s greedy decoding of `ids` on the folder, as the server loads it."""
+    decoder = decoding.load_decoder(folder)
+    return decoding.generate(decoder, decoding.load_tokenizer(folder), ids, max_tokens,
+                             decoding.eos_ids(folder), out=None)
+
+
+def chat_ids(folder: Path) -> list[int]:
+    text = ChatTemplate.of_folder(folder).render(QUESTION, add_generation_prompt=True)
+    return decoding.load_tokenizer(folder).encode(text, add_special_tokens=False).ids
+
+
+def test_a_greedy_chat_answer_is_pyml_generates_streamed_or_whole(server, client):
+    folder, _ = server
+    expected = generated(folder, chat_ids(folder), 12)
+    whole = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=12, temperature=0)
+    assert whole.choices[0].message.content == expected.text
+    assert whole.choices[0].finish_reason == ("stop" if len(expected.new_ids) < 12 else "length")
+    assert whole.usage.prompt_tokens == len(chat_ids(folder))
+    assert whole.usage.completion_tokens == len(expected.new_ids)
+    chunks = list(client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=12,
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert text == expected.text
+    assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == \
+        whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == len(expected.new_ids) and not chunks[-1].choices
+
+
+def test_completions_continue_the_prompt_as_pyml_generate_does(server, client):
+    folder, _ = server
+    prompt = "the cat sat on the"
+    expected = generated(folder, decoding.load_tokenizer(folder).encode(prompt).ids, 10)
+    answer = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0)
+    assert answer.choices[0].text == expected.text and answer.usage.completion_tokens == len(expected.new_ids)
+
+
+def test_a_stop_string_across_two_tokens_ends_the_answer_before_it(server, client):
+    folder, _ = server
+    tokenizer = decoding.load_tokenizer(folder)
+    expected = generated(folder, chat_ids(folder), 20)
+    pieces = [tokenizer.decode(expected.new_ids[:n]) for n in range(len(expected.new_ids) + 1)]
+    # the last character of one token and the first of the next, where both are text
+    boundary = next(n for n in range(2, len(pieces) - 1)
+                    if len(pieces[n]) > len(pieces[n - 1]) and len(pieces[n + 1]) > len(pieces[n]))
+    stop = pieces[boundary][-1] + pieces[boundary + 1][len(pieces[boundary])]
+    cut = expected.text.find(stop)
+    for stream in (False, True):
+        reply = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=20,
+                                               temperature=0, stop=[stop], stream=stream)
+        if stream:
+            chunks = list(reply)
+            text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            text, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
+        assert (text, finish) == (expected.text[:cut], "stop"), (stop, expected.text)
+
+
+def test_answers_do_not_depend_on_what_else_runs(server, client):
+    """The same sampled requests (seeded), one at a time and then all at once: the same text."""
+    def ask(seed: int) -> str:
+        reply = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=16,
+                                               temperature=0.9, seed=seed)
+        return reply.choices[0].message.content
+
+    alone = [ask(seed) for seed in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(ask, range(8)))
+    assert together == alone and len(set(alone)) > 1
+
+
+def test_a_client_that_leaves_mid_stream_frees_the_decoder(server):
+    _, url = server
+    body = {"model": "tiny", "messages": QUESTION, "max_tokens": 60, "temperature": 0.9, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as response:
+        next(response.iter_lines())
+    deadline = time.monotonic() + 10
+    while (health := httpx.get(f"{url}/health").json()) != {"status": "ok", "active": 0, "queued": 0}:
+        assert time.monotonic() < deadline, health
+        time.sleep(0.05)
+
+
+def test_models_and_health(server, client):
+    folder, url = server
+    assert [model.id for model in client.models.list().data] == [folder.resolve().name]
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+    ({"messages": QUESTION, "temperature": "hot"}, "temperature"),
+    ({"messages": QUESTION, "max_tokens": 0}, "max_tokens"),
+    ({"messages": QUESTION, "top_k": 5}, "top_k"),
+    ({"messages": QUESTION, "stop": ""}, "stop"),
+    ({"messages": [{"role": "user", "content": "the cat " * 40}]}, "messages"),  # past the context
+])
+def test_bad_requests_get_400_naming_the_field(server, body, param):
+    _, url = server
+    response = httpx.post(f"{server[1]}/v1/chat/completions", json={"model": "tiny", **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+
+
+def test_malformed_json_gets_400(server):
+    response = httpx.post(f"{server[1]}/v1/chat/completions", content=b"{not json",
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "error" in response.json()
+
