@@ -236,6 +236,11 @@ def generate(
     max_new_tokens: Annotated[int, typer.Option(help="Stop after this many new tokens.")] = 64,
     temperature: Annotated[float, typer.Option(help="0 for greedy decoding.")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass (with temperature > 0).")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="Draw from the k most probable tokens only (0: all).")] = 0,
+    min_p: Annotated[float, typer.Option(help="Drop the tokens less probable than min-p times the most probable one.")] = 0.0,
+    repetition_penalty: Annotated[float, typer.Option(help="transformers' repetition penalty on every token of the prompt and answer so far (1: off).")] = 1.0,
+    frequency_penalty: Annotated[float, typer.Option(help="OpenAI's frequency penalty: a logit lowered by this times the token's count in the answer so far.")] = 0.0,
+    presence_penalty: Annotated[float, typer.Option(help="OpenAI's presence penalty: a logit lowered by this once the token is in the answer.")] = 0.0,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
     spec: Annotated[Path | None, typer.Option(help="The decoder spec whose generated package runs the model. Default: the folder's spec.toml.")] = None,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
@@ -249,8 +254,9 @@ def generate(
     from pyml.generate.quantized import QuantizedDecoder, check_weights
 
     check_weights(weights, activations)
-    check_number(temperature, "--temperature", lambda t: t >= 0, "a number >= 0 (0: greedy)")
-    check_number(top_p, "--top-p", lambda p: 0 < p <= 1, "a number in (0, 1]")
+    sampler = generation.Sampler(temperature, top_p, top_k, min_p, repetition_penalty,
+                                 frequency_penalty, presence_penalty)
+    sampler.check()
     check_text(prompt, "--prompt")
     if max_new_tokens < 1:
         raise PymlError(f"--max-new-tokens must be at least 1, not {max_new_tokens}")
@@ -258,7 +264,7 @@ def generate(
     ids = generation.prompt_ids(model, tokenizer, prompt, chat)  # before the slow part: the weights
     loaded = generation.load_decoder(model, spec, device, weights, adapter, activations)
     result = generation.generate(loaded, tokenizer, ids, max_new_tokens, generation.eos_ids(model),
-                                 temperature, top_p, seed)
+                                 sampler, seed)
     print()
     formats = (f"; weights {loaded.describe_formats()}" if isinstance(loaded, QuantizedDecoder)
                else "; weights float32")

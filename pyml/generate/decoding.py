@@ -144,26 +144,78 @@ def eos_ids(model_dir: Path) -> set[int]:
     return set(eos) if isinstance(eos, list) else {eos} if isinstance(eos, int) else set()
 
 
-def sampling_probabilities(logits: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
-    """The distribution a token is drawn from at temperature > 0: softmax(logits / T) restricted to
-    the smallest set of most probable tokens whose probability reaches top_p, renormalised; zero
-    for every other token. Float64, over the whole vocabulary."""
-    scaled = logits.astype(np.float64) / temperature
-    probs = np.exp(scaled - scaled.max())
-    probs /= probs.sum()
-    order = np.argsort(-probs, kind="stable")
-    keep = int(np.searchsorted(np.cumsum(probs[order]), top_p) + 1)
-    kept = np.zeros_like(probs)
-    kept[order[:keep]] = probs[order[:keep]]
-    return kept / kept.sum()
+@dataclass(frozen=True)
+class Sampler:
+    """How the next token is chosen from the logits, in transformers' order: the repetition
+    penalty (on every token of the prompt and the answer so far: a logit divided by it where
+    positive, multiplied where negative), the frequency and presence penalties (OpenAI's: each
+    token's logit lowered by frequency_penalty times its count in the answer so far, and by
+    presence_penalty once it occurs there), then the temperature, top_k, top_p and min_p (the tokens
+    whose probability is below min_p times the most probable one's are dropped). Temperature 0
+    takes the most probable token after the penalties (greedy); otherwise the token is drawn."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 keeps every token
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+
+    def penalised(self, logits: np.ndarray, prompt_ids: list[int], new_ids: list[int]) -> np.ndarray:
+        """The logits after the penalties, float64."""
+        scores = logits.astype(np.float64)
+        if self.repetition_penalty != 1.0 and (prompt_ids or new_ids):
+            seen = np.unique(np.asarray(list(prompt_ids) + list(new_ids), dtype=np.int64))
+            values = scores[seen]
+            scores[seen] = np.where(values < 0, values * self.repetition_penalty,
+                                    values / self.repetition_penalty)
+        if (self.frequency_penalty or self.presence_penalty) and new_ids:
+            counts = np.bincount(np.asarray(new_ids, dtype=np.int64), minlength=len(scores))
+            scores -= self.frequency_penalty * counts + self.presence_penalty * (counts > 0)
+        return scores
+
+    def probabilities(self, logits: np.ndarray, prompt_ids: list[int] = (), new_ids: list[int] = ()
+                      ) -> np.ndarray:
+        """The distribution a token is drawn from at temperature > 0, float64 over the vocabulary:
+        zero for every token the filters drop, the rest renormalised."""
+        scaled = self.penalised(logits, prompt_ids, new_ids) / self.temperature
+        if 0 < self.top_k < len(scaled):
+            scaled[scaled < np.partition(scaled, -self.top_k)[-self.top_k]] = -np.inf
+        probs = np.exp(scaled - scaled.max())
+        probs /= probs.sum()
+        # top_p: the smallest set of most probable tokens whose probability reaches it
+        order = np.argsort(-probs, kind="stable")
+        keep = int(np.searchsorted(np.cumsum(probs[order]), self.top_p) + 1)
+        kept = np.zeros_like(probs)
+        kept[order[:keep]] = probs[order[:keep]]
+        if self.min_p > 0:
+            kept[kept < self.min_p * kept.max()] = 0.0
+        return kept / kept.sum()
+
+    def next_token(self, logits: np.ndarray, rng: np.random.Generator, prompt_ids: list[int] = (),
+                   new_ids: list[int] = ()) -> int:
+        if self.temperature == 0:
+            return int(np.argmax(self.penalised(logits, prompt_ids, new_ids)))
+        probs = self.probabilities(logits, prompt_ids, new_ids)
+        return int(rng.choice(len(probs), p=probs))
+
+    def check(self) -> None:
+        """One line naming the first value out of range (`pyml generate` and `pyml serve`)."""
+        ranges = {"temperature": (self.temperature >= 0, "a number >= 0 (0: greedy)"),
+                  "top_p": (0 < self.top_p <= 1, "a number in (0, 1]"),
+                  "top_k": (self.top_k >= 0, "an integer >= 0 (0: off)"),
+                  "min_p": (0 <= self.min_p <= 1, "a number in [0, 1]"),
+                  "repetition_penalty": (self.repetition_penalty > 0, "a number > 0 (1: off)"),
+                  "frequency_penalty": (-2 <= self.frequency_penalty <= 2, "a number in [-2, 2]"),
+                  "presence_penalty": (-2 <= self.presence_penalty <= 2, "a number in [-2, 2]")}
+        for name, (fine, what) in ranges.items():
+            value = getattr(self, name)
+            if not fine or value != value:  # NaN compares false to everything
+                raise PymlError(f"--{name.replace('_', '-')} must be {what}, not {value}")
 
 
-def next_token(logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator) -> int:
-    """Greedy at temperature 0; otherwise a draw from `sampling_probabilities`."""
-    if temperature == 0:
-        return int(np.argmax(logits))
-    probs = sampling_probabilities(logits, temperature, top_p)
-    return int(rng.choice(len(probs), p=probs))
+GREEDY = Sampler()
 
 
 class TextStream:
@@ -182,8 +234,7 @@ class TextStream:
 
 
 def generate(model, tokenizer: Tokenizer, ids: list[int], max_new_tokens: int, stop: set[int],
-             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-             out: TextIO | None = sys.stdout) -> Generation:
+             sampler: Sampler = GREEDY, seed: int = 0, out: TextIO | None = sys.stdout) -> Generation:
     if max_new_tokens < 1:
         raise PymlError("--max-new-tokens must be at least 1")
     if not ids:
@@ -196,7 +247,7 @@ def generate(model, tokenizer: Tokenizer, ids: list[int], max_new_tokens: int, s
     new_ids: list[int] = []
     started = time.perf_counter()
     for _ in range(max_new_tokens):
-        token = next_token(logits[0], temperature, top_p, rng)
+        token = sampler.next_token(logits[0], rng, ids, new_ids)
         new_ids.append(token)
         if token in stop:
             break

@@ -57,6 +57,11 @@ class Sampling(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)  # not OpenAI's: vLLM's and llama.cpp's servers take these too
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -73,8 +78,7 @@ class CompletionRequest(Sampling):
 
 
 DRAIN_SECONDS = 30  # how long a SIGTERM waits for the requests in flight
-UNSUPPORTED = ("top_k", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty",
-               "logprobs", "tools")
+UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "logit_bias")
 
 
 @dataclass
@@ -84,8 +88,7 @@ class Job:
 
     prompt_ids: list[int]
     max_tokens: int
-    temperature: float
-    top_p: float
+    sampler: decoding.Sampler
     seed: int
     stops: list[str]
     loop: asyncio.AbstractEventLoop
@@ -131,7 +134,7 @@ class Engine:
         new_ids: list[int] = []
         sent, finish, cut = 0, "length", None  # sent: characters of the decoded text sent
         while len(new_ids) < job.max_tokens and not job.cancelled.is_set():
-            token = decoding.next_token(logits[0], job.temperature, job.top_p, rng)
+            token = job.sampler.next_token(logits[0], rng, job.prompt_ids, new_ids)
             new_ids.append(token)
             if token in self.eos:
                 finish = "stop"
@@ -222,7 +225,9 @@ def create_app(engine: Engine) -> FastAPI:
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if any(not stop for stop in stops) or len(stops) > 4:
             return error_response(400, "stop: up to 4 non-empty strings", "stop")
-        job = Job(ids, min(asked or room, room), body.temperature, body.top_p,
+        sampler = decoding.Sampler(body.temperature, body.top_p, body.top_k, body.min_p,
+                                   body.repetition_penalty, body.frequency_penalty, body.presence_penalty)
+        job = Job(ids, min(asked or room, room), sampler,
                   body.seed if body.seed is not None else int(time.time_ns() % 2**32), stops,
                   asyncio.get_running_loop())
         try:

@@ -1,15 +1,26 @@
-"""Sampling in `pyml generate` against the exact distribution it claims to draw from.
+"""Sampling in `pyml generate` and `pyml serve` (`decoding.Sampler`) against the exact
+distribution it claims to draw from.
 
-The reference is transformers' own TemperatureLogitsWarper and TopPLogitsWarper followed by a
-softmax, in float64. The draws are checked by their frequencies with a stated bound, and the seed
-by comparing runs from separate generators.
+The reference is transformers' own logits processors in the order its generate() applies them
+(RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+MinPLogitsWarper) followed by a softmax, in float64; the frequency and presence penalties, which
+transformers lacks, against OpenAI's formula written out in torch. The draws are checked by their
+frequencies with a stated bound, and the seed by comparing runs from separate generators.
 """
+
+import re
 
 import numpy as np
 import pytest
 import torch
 from scipy.stats import binom
-from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from pyml.generate import decoding as generation
 from tests.support.project_packages import project_package
@@ -25,11 +36,23 @@ def logits(seed=0):
     return np.random.default_rng(seed).standard_normal(VOCAB) * 3.0
 
 
-def reference_probabilities(values, temperature, top_p):
+def reference_scores(values, top_k=0, min_p=0.0, repetition_penalty=1.0, history=(), temperature=1.0,
+                     top_p=1.0):
     scores = torch.tensor(values, dtype=torch.float64)[None]
+    if repetition_penalty != 1.0:
+        scores = RepetitionPenaltyLogitsProcessor(repetition_penalty)(torch.tensor([list(history)]), scores)
     scores = TemperatureLogitsWarper(temperature)(None, scores)
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
     scores = TopPLogitsWarper(top_p)(None, scores)
-    return torch.softmax(scores, dim=-1)[0].numpy()
+    if min_p:
+        scores = MinPLogitsWarper(min_p)(None, scores)
+    return scores
+
+
+def reference_probabilities(values, temperature, top_p, **options):
+    return torch.softmax(reference_scores(values, temperature=temperature, top_p=top_p, **options),
+                         dim=-1)[0].numpy()
 
 
 def nucleus_boundary_is_clear(values, temperature, top_p):
@@ -47,9 +70,67 @@ def nucleus_boundary_is_clear(values, temperature, top_p):
 def test_probabilities_equal_transformers_warpers(temperature, top_p):
     values = logits()
     assert nucleus_boundary_is_clear(values, temperature, top_p)
-    ours = generation.sampling_probabilities(values, temperature, top_p)
+    ours = generation.Sampler(temperature, top_p).probabilities(values)
     np.testing.assert_allclose(ours, reference_probabilities(values, temperature, top_p),
                                rtol=1e-12, atol=1e-15)
+
+
+HISTORY = (3, 7, 7, 12, 40, 3, 3)  # prompt and answer so far: some tokens more than once
+
+
+@pytest.mark.parametrize("options", [
+    dict(top_k=5), dict(top_k=1), dict(min_p=0.05), dict(min_p=0.15, top_p=0.9),
+    dict(top_k=12, min_p=0.02, top_p=0.8), dict(repetition_penalty=1.3),
+    dict(repetition_penalty=0.7, top_k=20), dict(repetition_penalty=1.5, min_p=0.1, temperature=1.6),
+])
+def test_top_k_min_p_and_the_repetition_penalty_equal_transformers_processors(options):
+    values = logits(3)
+    # at temperature 3 the most probable token holds 27% of the mass: every filter has a choice
+    temperature, top_p = options.pop("temperature", 3.0), options.pop("top_p", 1.0)
+    history = HISTORY if "repetition_penalty" in options else ()
+    sampler = generation.Sampler(temperature, top_p, **options)
+    ours = sampler.probabilities(values, history[:4], history[4:])
+    expected = reference_probabilities(values, temperature, top_p, history=history, **options)
+    np.testing.assert_allclose(ours, expected, rtol=1e-12, atol=1e-15)
+    kept = int((ours > 0).sum())
+    if options.get("top_k", 2) > 1 and "repetition_penalty" not in options:  # a filter chose
+        assert 1 < kept < VOCAB, kept
+
+
+@pytest.mark.parametrize("frequency, presence", [(0.5, 0.0), (0.0, 1.2), (1.5, -0.5), (-1.0, 2.0)])
+def test_frequency_and_presence_penalties_follow_openais_formula(frequency, presence):
+    """OpenAI: mu[j] - c[j] * frequency_penalty - (c[j] > 0) * presence_penalty, c[j] the count of
+    token j in the answer so far (the prompt does not count)."""
+    values, prompt, answer = logits(4), [1, 2, 3], [7, 7, 7, 12, 40, 12]
+    counts = torch.bincount(torch.tensor(answer), minlength=VOCAB).to(torch.float64)
+    scores = torch.tensor(values) - counts * frequency - (counts > 0).to(torch.float64) * presence
+    expected = torch.softmax(scores / 0.9, dim=-1).numpy()
+    sampler = generation.Sampler(0.9, frequency_penalty=frequency, presence_penalty=presence)
+    np.testing.assert_allclose(sampler.probabilities(values, prompt, answer), expected, rtol=1e-12, atol=1e-15)
+    greedy = generation.Sampler(0.0, frequency_penalty=frequency, presence_penalty=presence)
+    assert greedy.next_token(values, None, prompt, answer) == int(scores.argmax())
+
+
+def test_greedy_with_a_repetition_penalty_takes_transformers_choice():
+    values = logits(5)
+    top = int(np.argmax(values))
+    history = (top,)  # the penalty must move the choice away from the most probable token
+    expected = int(reference_scores(values, repetition_penalty=3.0, history=history).argmax())
+    assert expected != top
+    assert generation.Sampler(0.0, repetition_penalty=3.0).next_token(values, None, history, []) == expected
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("temperature", -0.1, "--temperature must be a number >= 0"),
+    ("top_p", 0.0, "--top-p must be a number in (0, 1]"),
+    ("top_k", -1, "--top-k must be an integer >= 0"),
+    ("min_p", 1.5, "--min-p must be a number in [0, 1]"),
+    ("repetition_penalty", 0.0, "--repetition-penalty must be a number > 0"),
+    ("frequency_penalty", float("nan"), "--frequency-penalty must be a number in [-2, 2]"),
+])
+def test_values_out_of_range_are_refused_in_one_line(field, value, message):
+    with pytest.raises(generation.PymlError, match=re.escape(message)):
+        generation.Sampler(**{field: value}).check()
 
 
 @pytest.mark.parametrize("temperature, top_p", [(0.7, 0.9), (1.0, 1.0), (1.8, 0.5), (0.3, 1.0)])
@@ -59,8 +140,8 @@ def test_draws_follow_the_distribution(temperature, top_p):
     with probability below 2e-7 per token, 1e-5 for the 50. No token outside the nucleus is drawn."""
     values, draws = logits(), 20000
     rng = np.random.default_rng(1234)
-    counts = np.bincount([generation.next_token(values, temperature, top_p, rng)
-                          for _ in range(draws)], minlength=VOCAB)
+    sampler = generation.Sampler(temperature, top_p)
+    counts = np.bincount([sampler.next_token(values, rng) for _ in range(draws)], minlength=VOCAB)
     expected = reference_probabilities(values, temperature, top_p)
     assert (counts[expected == 0] == 0).all()
     kept = expected > 0
@@ -72,9 +153,9 @@ def test_draws_follow_the_distribution(temperature, top_p):
 def test_temperature_zero_and_a_small_top_p_are_greedy():
     values = logits()
     rng = np.random.default_rng(0)
-    assert generation.next_token(values, 0.0, 1.0, rng) == values.argmax()
+    assert generation.Sampler(0.0).next_token(values, rng) == values.argmax()
     # the most probable token alone holds more than 1% of the mass at any temperature
-    assert {generation.next_token(values, 1.0, 0.01, rng) for _ in range(50)} == {values.argmax()}
+    assert {generation.Sampler(1.0, 0.01).next_token(values, rng) for _ in range(50)} == {values.argmax()}
 
 
 def test_the_same_seed_draws_the_same_tokens_and_another_seed_others():
@@ -84,7 +165,7 @@ def test_the_same_seed_draws_the_same_tokens_and_another_seed_others():
 
     def draws(seed):
         rng = np.random.default_rng(seed)
-        return [generation.next_token(flat, 1.0, 1.0, rng) for _ in range(40)]
+        return [generation.Sampler(1.0).next_token(flat, rng) for _ in range(40)]
 
     assert draws(7) == draws(7)
     assert draws(7) != draws(8)
@@ -104,7 +185,7 @@ def test_generate_with_a_seed_is_reproducible_and_the_seed_matters():
 
     def sampled(seed):
         return generation.generate(model, CharacterTokenizer(), [1, 2, 3], 24, stop=set(),
-                                   temperature=0.8, top_p=0.95, seed=seed, out=None).new_ids
+                                   sampler=generation.Sampler(0.8, 0.95), seed=seed, out=None).new_ids
 
     assert sampled(5) == sampled(5)
     assert sampled(5) != sampled(6)

@@ -61,11 +61,11 @@ def client(server):
     return openai.OpenAI(base_url=f"{server[1]}/v1", api_key="unused", max_retries=0)
 
 
-def generated(folder: Path, ids: list[int], max_tokens: int):
-    """`pyml generate`'s greedy decoding of `ids` on the folder, as the server loads it."""
+def generated(folder: Path, ids: list[int], max_tokens: int, sampler=decoding.GREEDY, seed: int = 0):
+    """`pyml generate`'s decoding of `ids` on the folder, as the server loads it."""
     decoder = decoding.load_decoder(folder)
     return decoding.generate(decoder, decoding.load_tokenizer(folder), ids, max_tokens,
-                             decoding.eos_ids(folder), out=None)
+                             decoding.eos_ids(folder), sampler, seed, out=None)
 
 
 def chat_ids(folder: Path) -> list[int]:
@@ -90,6 +90,18 @@ def test_a_greedy_chat_answer_is_pyml_generates_streamed_or_whole(server, client
     assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == \
         whole.choices[0].finish_reason
     assert chunks[-1].usage.completion_tokens == len(expected.new_ids) and not chunks[-1].choices
+
+
+def test_every_sampling_option_is_pyml_generates(server, client):
+    """The same Sampler and seed as `pyml generate --top-k ... --seed`: the same answer."""
+    folder, _ = server
+    options = dict(temperature=0.9, top_p=0.95, top_k=20, min_p=0.02, repetition_penalty=1.2,
+                   frequency_penalty=0.4, presence_penalty=0.3)
+    expected = generated(folder, chat_ids(folder), 16, decoding.Sampler(**options), seed=11)
+    extra = {name: options.pop(name) for name in ("top_k", "min_p", "repetition_penalty")}
+    reply = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=16, seed=11,
+                                           extra_body=extra, **options)
+    assert reply.choices[0].message.content == expected.text
 
 
 def test_completions_continue_the_prompt_as_pyml_generate_does(server, client):
@@ -157,7 +169,9 @@ def test_models_and_health(server, client):
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
     ({"messages": QUESTION, "temperature": "hot"}, "temperature"),
     ({"messages": QUESTION, "max_tokens": 0}, "max_tokens"),
-    ({"messages": QUESTION, "top_k": 5}, "top_k"),
+    ({"messages": QUESTION, "top_k": -1}, "top_k"),
+    ({"messages": QUESTION, "presence_penalty": 3}, "presence_penalty"),
+    ({"messages": QUESTION, "logprobs": True}, "logprobs"),
     ({"messages": QUESTION, "stop": ""}, "stop"),
     ({"messages": [{"role": "user", "content": "the cat " * 40}]}, "messages"),  # past the context
 ])
