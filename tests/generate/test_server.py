@@ -31,13 +31,12 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_folders):
-    """(the folder, the server's base URL) while `pyml serve` runs."""
-    folder, port = tiny_folders["llama"], free_port()
+def started(folder: Path, *options: str):
+    """(the process, its base URL) once `pyml serve --model folder` answers /health."""
+    port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     process = subprocess.Popen(
-        [sys.executable, "-m", "pyml.cli", "serve", "--model", str(folder), "--port", str(port)],
+        [sys.executable, "-m", "pyml.cli", "serve", "--model", str(folder), "--port", str(port), *options],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -51,9 +50,16 @@ def server(tiny_folders):
             process.kill()
             pytest.fail(f"pyml serve did not start: {process.stdout.read()[-3000:]}")
         time.sleep(0.2)
-    yield folder, url
+    return process, url
+
+
+@pytest.fixture(scope="module")
+def server(tiny_folders):
+    """(the folder, the server's base URL) while `pyml serve` runs."""
+    process, url = started(tiny_folders["llama"])
+    yield tiny_folders["llama"], url
     process.terminate()
-    assert process.wait(timeout=30) == 0  # SIGTERM: uvicorn stops cleanly
+    assert process.wait(timeout=30) == 0  # SIGTERM: the server drains and exits cleanly
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +153,22 @@ def test_answers_do_not_depend_on_what_else_runs(server, client):
     assert together == alone and len(set(alone)) > 1
 
 
+def test_64_requests_from_16_clients_are_each_answered_as_alone(server, client):
+    """A bounded load test on loopback: 16 clients ask 4 questions each at once (the queue holds
+    16). None is lost or duplicated, and every greedy answer is the one it gets alone."""
+    questions = [[{"role": "user", "content": f"the cat {n} sat on"}] for n in range(64)]
+
+    def ask(messages) -> str:
+        return client.chat.completions.create(model="tiny", messages=messages, max_tokens=8,
+                                              temperature=0).choices[0].message.content
+
+    alone = {n: ask(questions[n]) for n in range(0, 64, 8)}
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(ask, questions))
+    assert len(answers) == 64 and all(answers[n] == text for n, text in alone.items())
+    assert answers == [ask(messages) for messages in questions]  # each, one at a time
+
+
 def test_a_client_that_leaves_mid_stream_frees_the_decoder(server):
     _, url = server
     body = {"model": "tiny", "messages": QUESTION, "max_tokens": 60, "temperature": 0.9, "stream": True}
@@ -188,3 +210,34 @@ def test_malformed_json_gets_400(server):
                           headers={"content-type": "application/json"})
     assert response.status_code == 400 and "error" in response.json()
 
+
+
+@pytest.mark.slow
+def test_beyond_the_queue_a_request_gets_429(smollm2_folder):
+    """SmolLM2 with a queue of one: while one answer is decoded (about 200 tokens, seconds here)
+    and one request waits, a third gets 429 with OpenAI's error body; then the two are answered."""
+    process, url = started(smollm2_folder, "--max-queue", "1")
+    try:
+        story = [{"role": "user", "content": "Write a long story about a cat who sails to Paris."}]
+        body = {"model": "m", "messages": story, "max_tokens": 200, "temperature": 0.9, "seed": 1}
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(httpx.post, f"{url}/v1/chat/completions", json=body, timeout=300)
+            wait_for_health(url, active=1, queued=0)
+            second = pool.submit(httpx.post, f"{url}/v1/chat/completions", json=body, timeout=300)
+            wait_for_health(url, active=1, queued=1)
+            refused = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
+            assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_exceeded"
+            assert first.result().status_code == 200 and second.result().status_code == 200
+    finally:
+        process.terminate()
+        assert process.wait(timeout=60) == 0
+
+
+def wait_for_health(url: str, **counts) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        health = httpx.get(f"{url}/health").json()
+        if all(health[name] == count for name, count in counts.items()):
+            return
+        assert time.monotonic() < deadline, health
+        time.sleep(0.01)
