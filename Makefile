@@ -69,6 +69,9 @@ demo: $(STAMP) $(MODEL)/model.safetensors
 	@echo "--- export the LoRA fine-tune to GGUF and read it back with transformers:"
 	$(BIN)/pyml export-gguf runs/demo-lora/merged --out runs/demo-lora/smollm2-lora.q8_0.gguf --type q8_0
 	$(BIN)/python -c "$$TRANSFORMERS_CHAT" runs/demo-lora/smollm2-lora.q8_0.gguf
+	@echo
+	@echo "--- serve the chat fine-tune with the OpenAI API and ask it the held-out question:"
+	$(BIN)/python demo/ask_served.py runs/demo/step_000030 "$(DEMO_QUESTION)"
 
 # `make demo`'s last step: transformers loads a GGUF (argv[1]) and answers the demo's question.
 define TRANSFORMERS_CHAT
