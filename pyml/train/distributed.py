@@ -136,8 +136,8 @@ class DataParallel:
                    positions=None) -> float:
         """One step of the global batch (inputs, targets, and the positions of packed rows), the
         same on every rank, each rank's rows in `slices` slices (`pyml.package.accumulate`);
-        returns its loss. Sets `stop.signum` when a
-        stop signal reached any rank (the lowest rank's)."""
+        returns its loss. Sets `stop.signum` when a stop signal reached any rank (the lowest
+        rank's)."""
         import numpy as np
 
         from pyml.package.accumulate import loss_and_grads
