@@ -366,7 +366,8 @@ def serve(
     try:
         from pyml.generate.server import serve as run_server
     except ModuleNotFoundError as error:
-        raise PymlError(f"pyml serve needs {error.name}: pip install 'pyml[serve]'") from None
+        raise PymlError(f"pyml serve needs {error.name}: install pyml with its [serve] extra "
+                        "(or pip install fastapi uvicorn)") from None
     run_server(model, host, port, max_queue, adapter, weights, activations)
 
 

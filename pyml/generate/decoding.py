@@ -10,6 +10,7 @@ field before any weight is read.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -211,7 +212,7 @@ class Sampler:
                   "presence_penalty": (-2 <= self.presence_penalty <= 2, "a number in [-2, 2]")}
         for name, (fine, what) in ranges.items():
             value = getattr(self, name)
-            if not fine or value != value:  # NaN compares false to everything
+            if not fine or not math.isfinite(value):  # NaN compares false to everything
                 raise PymlError(f"--{name.replace('_', '-')} must be {what}, not {value}")
 
 

@@ -51,7 +51,7 @@ class Sampling(BaseModel):
     """The request fields every completion takes. Unknown fields are ignored, as OpenAI's server
     ignores fields it does not use; a sampling option pyml does not implement is refused."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)

@@ -127,6 +127,8 @@ def test_greedy_with_a_repetition_penalty_takes_transformers_choice():
     ("min_p", 1.5, "--min-p must be a number in [0, 1]"),
     ("repetition_penalty", 0.0, "--repetition-penalty must be a number > 0"),
     ("frequency_penalty", float("nan"), "--frequency-penalty must be a number in [-2, 2]"),
+    ("temperature", float("inf"), "--temperature must be a number >= 0 (0: greedy), not inf"),
+    ("repetition_penalty", float("inf"), "--repetition-penalty must be a number > 0 (1: off), not inf"),
 ])
 def test_values_out_of_range_are_refused_in_one_line(field, value, message):
     with pytest.raises(generation.PymlError, match=re.escape(message)):

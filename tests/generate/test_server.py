@@ -6,6 +6,7 @@ answers do not depend on what else is running; bad requests get 400 with OpenAI'
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -193,13 +194,16 @@ def test_models_and_health(server, client):
     ({"messages": QUESTION, "max_tokens": 0}, "max_tokens"),
     ({"messages": QUESTION, "top_k": -1}, "top_k"),
     ({"messages": QUESTION, "presence_penalty": 3}, "presence_penalty"),
+    ({"messages": QUESTION, "repetition_penalty": float("inf")}, "repetition_penalty"),
     ({"messages": QUESTION, "logprobs": True}, "logprobs"),
     ({"messages": QUESTION, "stop": ""}, "stop"),
     ({"messages": [{"role": "user", "content": "the cat " * 40}]}, "messages"),  # past the context
 ])
 def test_bad_requests_get_400_naming_the_field(server, body, param):
     _, url = server
-    response = httpx.post(f"{server[1]}/v1/chat/completions", json={"model": "tiny", **body})
+    # json.dumps writes inf as Infinity, which Python's JSON reader (and so the server's) reads
+    response = httpx.post(f"{url}/v1/chat/completions", content=json.dumps({"model": "tiny", **body}),
+                          headers={"content-type": "application/json"})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
