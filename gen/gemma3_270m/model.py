@@ -25,7 +25,7 @@ N_HEADS = 4
 N_KV_HEADS = 1
 HEAD_DIM = 256
 HIDDEN = 2048
-ROPE_TABLES = ((10000.0, 128), (1000000.0, 128))
+ROPE_TABLES = ((10000.0, 128, None), (1000000.0, 128, None))
 ATTENTIONS = [{"windows": SELF_ATTN_WINDOW, "n_kv_heads": 1, "head_dim": 256}]
 # (start, stop) of grads.flat in the order the backward pass makes them final
 GRAD_BUCKETS = (

@@ -25,7 +25,7 @@ N_HEADS = 4
 N_KV_HEADS = 2
 HEAD_DIM = 8
 HIDDEN = 64
-ROPE_TABLES = ((50000.0, 4),)
+ROPE_TABLES = ((50000.0, 4, None),)
 ATTENTIONS = [{"windows": SELF_ATTN_WINDOW, "n_kv_heads": 2, "head_dim": 8}]
 # (start, stop) of grads.flat in the order the backward pass makes them final
 GRAD_BUCKETS = (

@@ -25,7 +25,7 @@ N_HEADS = 9
 N_KV_HEADS = 3
 HEAD_DIM = 64
 HIDDEN = 1536
-ROPE_TABLES = ((100000.0, 32),)
+ROPE_TABLES = ((100000.0, 32, None),)
 ATTENTIONS = [{"windows": SELF_ATTN_WINDOW, "n_kv_heads": 3, "head_dim": 64}]
 # (start, stop) of grads.flat in the order the backward pass makes them final
 GRAD_BUCKETS = (

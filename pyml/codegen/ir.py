@@ -131,7 +131,8 @@ class Graph:
     skeleton: Skeleton
     input: str  # the value the batch is loaded into (ids or features)
     logits: str
-    rope_tables: list[tuple[float, int]] = field(default_factory=list)  # (RoPE base, half head_dim)
+    # (RoPE base, half head_dim, scaling as a dict or None) of each RoPE table
+    rope_tables: list[tuple[float, int, dict | None]] = field(default_factory=list)
     attention_caches: list[dict] = field(default_factory=list)  # per attention op: cache layout
 
     def ops(self) -> list[Op]:

@@ -67,7 +67,8 @@ class Lowering:
         self.params: list[Param] = []
         self.kernel_blocks: dict[str, tuple[str, dict]] = {}
         self.constants: dict = {}
-        self.rope_thetas: list[tuple[float, int]] = []  # (theta, head_dim) of each RoPE table
+        # (theta, head_dim, scaling) of each RoPE table, the scaling as a dict or None
+        self.rope_thetas: list[tuple[float, int, dict | None]] = []
         self.attention_caches: list[dict] = []
         self.max_seq_len = max_seq_len
         self.scope = "model"
@@ -188,11 +189,13 @@ class Lowering:
         return Op("residual", name, (x, body_out), (out,),
                   instances=(Instance(name, "residual_adjoint", {"n": width}, f"{name}: x + body(x)"),)), out
 
-    def rope_table(self, theta: float, head_dim: int) -> int:
-        """The index of the cos/sin tables of RoPE base `theta` for heads of `head_dim`."""
-        if (theta, head_dim) not in self.rope_thetas:
-            self.rope_thetas.append((theta, head_dim))
-        return self.rope_thetas.index((theta, head_dim))
+    def rope_table(self, theta: float, head_dim: int, scaling: dict | None) -> int:
+        """The index of the cos/sin tables of RoPE base `theta` for heads of `head_dim`, its
+        frequencies scaled as `scaling` says."""
+        table = (theta, head_dim, scaling)
+        if table not in self.rope_thetas:
+            self.rope_thetas.append(table)
+        return self.rope_thetas.index(table)
 
     def attention(self, name: str, attention: Attention, x: str, n_layers: int,
                   prefix: str) -> tuple[list[Op], str]:
@@ -237,7 +240,8 @@ class Lowering:
                            H + KV)
         types = [attention.type_of_layer(layer) for layer in range(n_layers)]
         if attention.rope is not None:
-            tables = tuple(self.rope_table(kind.rope_theta, HD) for kind in types)
+            scaling = attention.rope.scaling.model_dump() if attention.rope.scaling else None
+            tables = tuple(self.rope_table(kind.rope_theta, HD, scaling) for kind in types)
             self.constants[f"{name.upper()}_ROPE_TABLE"] = tables
             # every table of one head_dim has the same rotation kernel: the first one's
             ops.append(Op("rope", f"rope_table{tables[0]}", (qk,), (qk,),
@@ -246,7 +250,9 @@ class Lowering:
                                               f"{name}_rope: rotation of the two halves of a "
                                               f"{HD}-dim head; c, s are the table's row at each "
                                               "token's position: data, so the law holds for any "
-                                              "frequencies and positions"),)))
+                                              "frequencies and positions"
+                                              + (f", {scaling['type']}-scaled ones included"
+                                                 if scaling else "")),)))
         windows = tuple(kind.window or 0 for kind in types)
         self.constants[f"{name.upper()}_WINDOW"] = windows
         y = self.storage(f"{name}_heads_out", ("B", "T", H * HD))
@@ -375,7 +381,7 @@ def rename_output(ops: list[Op], old: str, new: str) -> None:
 
 def finish(lowering: Lowering, form: str, head, block, tail, n_layers, constants,
            skeleton: Skeleton, input_value, logits) -> Graph:
-    theta_blocks = [(theta, head_dim // 2) for theta, head_dim in lowering.rope_thetas]
+    theta_blocks = [(theta, head_dim // 2, scaling) for theta, head_dim, scaling in lowering.rope_thetas]
     return Graph(
         form=form, storages=lowering.storages, values=lowering.values, params=lowering.params,
         head=head, block=block, tail=tail, n_layers=n_layers,
@@ -450,7 +456,7 @@ def lower_decoder(spec: DecoderModel) -> Graph:
                         (dim, vocab))
     constants = {"VOCAB": vocab, "DIM": dim, "N_LAYERS": n_layers, "MAX_SEQ_LEN": spec.max_seq_len,
                  "TIED_HEAD": spec.lm_head.tied}
-    for index, (theta, head_dim) in enumerate(lowering.rope_thetas):
+    for index, (theta, head_dim, _) in enumerate(lowering.rope_thetas):
         lowering.kernel("rope", {"p": f"rope_table{index}", "head_dim": head_dim,
                                  "theta": theta, "max_seq_len": spec.max_seq_len})
     return finish(lowering, "decoder", head, block_ops, tail, n_layers, constants, skeleton,

@@ -251,7 +251,7 @@ def model_context(spec, spec_path: str, graph: Graph, layout: Layout, statements
             attention = attentions[0]
             constants |= {"N_HEADS": attention.n_heads, "N_KV_HEADS": attention.n_kv_heads,
                           "HEAD_DIM": attention.head_dim, "HIDDEN": mlps[0].layer.hidden}
-        # (RoPE base, half the head_dim) of each RoPE table
+        # (RoPE base, half the head_dim, its scaling or None) of each RoPE table
         constants["ROPE_TABLES"] = tuple(graph.rope_tables)
         constants["ATTENTIONS"] = [
             {"windows": Name(cache["window"]), "n_kv_heads": cache["n_kv_heads"],

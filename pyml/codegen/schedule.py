@@ -357,7 +357,7 @@ def training_memory(graph: Graph, layout: Layout, B: int, T: int, itemsize: int)
         gradients += count(graph.storages["stream"].shape)
     params = graph.param_count() * itemsize
     positions = graph.constants.get("MAX_SEQ_LEN", 0)
-    tables = sum(2 * positions * half * itemsize for _, half in graph.rope_tables)
+    tables = sum(2 * positions * half * itemsize for _, half, _ in graph.rope_tables)
     parts = {"parameters": params, "gradients": params, "AdamW state": 2 * params}
     if tables:
         parts["RoPE tables"] = tables

@@ -17,6 +17,10 @@ The two changes llama.cpp's converter (convert_hf_to_gguf.py) makes, which we un
   multiply by the stored gain, and transformers' GGUF loader subtracts 1 again (in float32). We do
   the same, so our weights equal transformers'. Gemma's Q and K rows are not reordered: llama.cpp
   rotates gemma3 in the NEOX (halves) layout, as Hugging Face does.
+
+RoPE scaling: a linear one is stated in `rope.scaling.type` and `rope.scaling.factor`; Llama 3's
+only as the factor of each frequency, in a `rope_freqs.weight` tensor that is no Hugging Face
+weight, from which we recover its parameters (`llama3_scaling_of`) and which export writes back.
 """
 
 from __future__ import annotations
@@ -28,8 +32,13 @@ import numpy as np
 
 from pyml.errors import PymlError
 from pyml.formats.gguf_read import GGUFFile
+from pyml.formats.hf_config import hf_rope_scaling
+from pyml.formats.quant import GGMLType
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3")
+
+# Llama 3's RoPE scaling as llama.cpp stores it: the factor that divides each frequency.
+ROPE_FACTORS = "rope_freqs.weight"
 
 # GGUF -> Hugging Face names of the tensors outside the blocks, for both architectures.
 GLOBAL_NAMES = {
@@ -53,6 +62,8 @@ class LlamaDims:
     context_length: int
     rms_norm_eps: float
     rope_theta: float
+    # the spec's RoPE scaling ({"type": "linear" or "llama3", its parameters}), or None
+    rope_scaling: dict | None
 
 
 @dataclass(frozen=True)
@@ -120,6 +131,7 @@ class Llama:
 
     name = "llama"
     hf_class = "LlamaForCausalLM"
+    stores_rope_factors = True  # Llama 3's RoPE scaling as rope_freqs.weight (llama.cpp loads it)
     qkv_bias = False  # biases on the q, k and v projections (not on the output's)
     qk_norm = False  # an RMSNorm of each q and k head (its gain w, no unit offset)
     # GGUF name within block i ("blk.{i}.") -> Hugging Face name within "model.layers.{i}.".
@@ -161,7 +173,7 @@ class Llama:
             raise meta.fail(f"head size {head_dim} is odd; rotary embeddings need pairs")
         if meta.integer("rope.dimension_count", head_dim) != head_dim:
             raise meta.fail("rotary embeddings on part of each head are not supported")
-        meta.refuse("rope.scaling.type", "rope scaling", allowed="none")
+        rope_theta = meta.real("rope.freq_base", 1e4)  # llama.cpp's default
 
         tokens = gguf.metadata.get("tokenizer.ggml.tokens")
         if not isinstance(tokens, list):
@@ -179,8 +191,26 @@ class Llama:
             vocab=vocab,
             context_length=meta.integer("context_length"),
             rms_norm_eps=meta.real("attention.layer_norm_rms_epsilon"),
-            rope_theta=meta.real("rope.freq_base", 1e4),  # llama.cpp's default
+            rope_theta=rope_theta,
+            rope_scaling=self.read_rope_scaling(meta, gguf, head_dim, rope_theta),
         )
+
+    def read_rope_scaling(self, meta: Metadata, gguf: GGUFFile, head_dim: int,
+                          theta: float) -> dict | None:
+        """The RoPE scaling the file states: `rope.scaling.type` "linear" with its factor, or (llama
+        only) Llama 3's, which llama.cpp's converter stores as nothing but the per-frequency
+        factors of a `rope_freqs.weight` tensor."""
+        kind = gguf.metadata.get(meta.prefix + "rope.scaling.type", "none")
+        factors = gguf.tensors.get(ROPE_FACTORS) if self.stores_rope_factors else None
+        if kind == "linear" and factors is None:
+            return {"type": "linear", "factor": meta.real("rope.scaling.factor")}
+        if kind != "none":
+            raise meta.fail(f"rope scaling {kind!r} is not supported ({meta.prefix}rope.scaling.type)")
+        if factors is None:
+            return None
+        if factors.ggml_type != GGMLType.F32 or factors.shape != (head_dim // 2,):
+            raise meta.fail(f"{ROPE_FACTORS} is not {head_dim // 2} float32 values")
+        return llama3_scaling_of(factors.data.view(np.float32), head_dim, theta, meta)
 
     # -- tensors
 
@@ -212,7 +242,15 @@ class Llama:
         block = self.block_shapes()
         for layer in range(dims.n_layers):
             shapes.update({f"blk.{layer}.{name}": shape for name, shape in block.items()})
-        return shapes
+        return shapes | {name: tensor.shape for name, tensor in self.derived_tensors().items()}
+
+    def derived_tensors(self) -> dict[str, np.ndarray]:
+        """The tensors llama.cpp reads from the file that are no Hugging Face weights but follow
+        from the config (GGUF name -> value): Llama 3's RoPE frequency factors."""
+        scaling = self.dims.rope_scaling
+        if scaling is None or scaling["type"] != "llama3":
+            return {}
+        return {ROPE_FACTORS: llama3_rope_factors(scaling, self.dims.head_dim, self.dims.rope_theta)}
 
     def hf_name(self, gguf_name: str) -> str:
         """The Hugging Face name of one of the file's (checked) tensor names."""
@@ -255,6 +293,7 @@ class Llama:
             "max_position_embeddings": dims.context_length,
             "rms_norm_eps": dims.rms_norm_eps,
             "rope_theta": dims.rope_theta,
+            **({"rope_scaling": hf_rope_scaling(dims.rope_scaling)} if dims.rope_scaling else {}),
             "tie_word_embeddings": tied,
             "hidden_act": "silu",
             "attention_bias": False,
@@ -273,6 +312,8 @@ class Llama:
             "head_dim": dims.head_dim,
             "rope": {"theta": dims.rope_theta},
         }
+        if dims.rope_scaling:
+            attention["rope"]["scaling"] = dict(dims.rope_scaling)
         if self.qkv_bias:
             attention["qkv_bias"] = True
         if self.qk_norm:
@@ -300,6 +341,7 @@ class Qwen2(Llama):
 
     name = "qwen2"
     hf_class = "Qwen2ForCausalLM"
+    stores_rope_factors = False
     qkv_bias = True
     block_names = Llama.block_names | {
         "attn_q.bias": "self_attn.q_proj.bias",
@@ -335,6 +377,7 @@ class Qwen3(Llama):
 
     name = "qwen3"
     hf_class = "Qwen3ForCausalLM"
+    stores_rope_factors = False
     qk_norm = True
     block_names = Llama.block_names | {
         "attn_q_norm.weight": "self_attn.q_norm.weight",
@@ -365,6 +408,7 @@ class Gemma3(Llama):
 
     name = "gemma3"
     hf_class = "Gemma3ForCausalLM"
+    stores_rope_factors = False
     block_names = {
         "attn_norm.weight": "input_layernorm.weight",
         "attn_q.weight": "self_attn.q_proj.weight",
@@ -387,6 +431,9 @@ class Gemma3(Llama):
 
     def read_dims(self, meta: Metadata, gguf: GGUFFile) -> Gemma3Dims:
         common = self.common_dims(meta, gguf)
+        if common["rope_scaling"] is not None:  # Gemma 3 scales its global layers only
+            raise meta.fail("rope scaling is not supported for gemma3 "
+                            f"({meta.prefix}rope.scaling.type is 'linear')")
         meta.refuse("attn_logit_softcapping", "attention logit soft-capping")
         meta.refuse("final_logit_softcapping", "final logit soft-capping")
         if common["n_layers"] == self.LAYERS_OF_27B:
@@ -526,3 +573,63 @@ def unpermute_rotary_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
         .swapaxes(1, 2)
         .reshape(weight.shape)
     )
+
+
+def llama3_rope_factors(scaling: dict, head_dim: int, theta: float) -> np.ndarray:
+    """The factors llama.cpp's converter stores as rope_freqs.weight for Llama 3's scaling
+    (its LlamaModel.generate_extra_tensors): each frequency is divided by its factor, 1 for short
+    wavelengths, `factor` for long ones, interpolated between; computed in float32 as there."""
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    freqs = np.float32(1) / (theta ** exponents.astype(np.float64)).astype(np.float32)
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    f32 = np.float32
+    factors = []
+    for freq in freqs:
+        # torch divides a number by a tensor as the tensor's reciprocal times the number
+        wavelen = (f32(1) / freq) * f32(2 * math.pi)
+        if wavelen < context / high:
+            factors.append(1.0)
+        elif wavelen > context / low:
+            factors.append(factor)
+        else:
+            smooth = ((f32(1) / wavelen) * f32(context) - f32(low)) / f32(high - low)
+            factors.append(f32(1) / ((f32(1) - smooth) / f32(factor) + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def llama3_scaling_of(factors: np.ndarray, head_dim: int, theta: float, meta: Metadata) -> dict | None:
+    """Llama 3's scaling parameters from the per-frequency factors llama.cpp stores.
+
+    Between the bands, 1 / factor_i = (1 - s_i) / F + s_i with s_i = a * inv_freq_i + b, linear in
+    the frequency; two such factors give a and b. F is the factor of the long wavelengths. Only
+    the band edges' ratios are determined (scaling original_max_position_embeddings and both
+    frequency factors together changes nothing), so low_freq_factor is taken as 1, its value in
+    every Llama 3 config. The parameters found must give back every stored factor, or the file
+    is refused."""
+    if not np.all(np.isfinite(factors)) or np.any(factors <= 0):
+        raise meta.fail(f"{ROPE_FACTORS} holds factors that are not positive numbers")
+    if np.all(factors == 1):
+        return None  # no scaling
+    inv_freq = np.float32(1) / (theta ** (np.arange(0, head_dim, 2) / head_dim)).astype(np.float32)
+    factor = float(factors.max())
+    between = (factors > 1) & (factors < np.float32(factor))
+    if factor <= 1 or between.sum() < 2:
+        raise meta.fail(f"{ROPE_FACTORS} is not Llama 3's RoPE scaling (fewer than two "
+                        "frequencies between its bands, or factors below 1)")
+    smooth = (1 / factors[between].astype(np.float64) - 1 / factor) / (1 - 1 / factor)
+    a, b = np.polyfit(inv_freq[between].astype(np.float64), smooth, 1)
+    if not (a > 0 and b < 0):
+        raise meta.fail(f"{ROPE_FACTORS} is not Llama 3's RoPE scaling (its factors do not "
+                        "fall from long wavelengths to short ones)")
+    high = 1 - 1 / b  # b = -low / (high - low), a = context / (2 pi (high - low)), low = 1
+    context = round(a * 2 * math.pi * (high - 1))
+    for digits in range(7):  # the shortest high_freq_factor that gives every factor back
+        scaling = {"type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                   "high_freq_factor": round(float(high), digits),
+                   "original_max_position_embeddings": context}
+        if scaling["high_freq_factor"] > 1 and context > 0 and np.allclose(
+                llama3_rope_factors(scaling, head_dim, theta), factors, rtol=1e-5, atol=0):
+            return scaling
+    raise meta.fail(f"{ROPE_FACTORS} is not Llama 3's RoPE scaling (no factor, band and "
+                    "original context length give its factors)")

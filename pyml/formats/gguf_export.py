@@ -37,8 +37,13 @@ import numpy as np
 from tqdm import tqdm
 
 from pyml.errors import PymlError
-from pyml.formats.gguf_architectures import Llama, architecture_of
-from pyml.formats.gguf_read import GGUFFile
+from pyml.formats.gguf_architectures import (
+    ROPE_FACTORS,
+    Llama,
+    architecture_of,
+    llama3_rope_factors,
+)
+from pyml.formats.gguf_read import GGUFFile, GGUFTensor
 from pyml.formats.model_folder import MODEL_FILE, is_adapter_folder
 from pyml.formats.quant import BLOCK_LAYOUT, GGMLType, tensor_nbytes
 from pyml.formats.quantize import quantize
@@ -95,7 +100,8 @@ def export_gguf(model_dir: Path, out: Path, type_name: str = "f32", progress: bo
     metadata = architecture_metadata(model_dir, config) | tokenizer_metadata(
         model_dir, tokenizer, settings
     )
-    described = GGUFFile(path=model_dir, version=3, metadata=metadata, tensors={})
+    described = GGUFFile(path=model_dir, version=3, metadata=metadata,
+                         tensors=rope_factor_tensors(model_dir, config))
     architecture = architecture_of(described)
     _check_reads_back(model_dir, described, architecture, config, tokenizer, settings)
     tensors = read_safetensors(model_dir / MODEL_FILE)
@@ -162,7 +168,30 @@ def architecture_metadata(model_dir: Path, config: dict) -> dict[str, object]:
         metadata[f"{name}.rope.dimension_count"] = head_dim
     else:
         metadata["gemma3.attention.sliding_window"] = value("sliding_window", int)
+    scaling = config.get("rope_scaling")
+    if isinstance(scaling, dict) and scaling.get("rope_type") == "linear":
+        metadata[f"{name}.rope.scaling.type"] = "linear"
+        metadata[f"{name}.rope.scaling.factor"] = float(np.float32(scaling.get("factor")))
     return metadata
+
+
+def rope_factor_tensors(model_dir: Path, config: dict) -> dict[str, GGUFTensor]:
+    """rope_freqs.weight, as llama.cpp's converter computes it, for config.json's Llama 3 RoPE
+    scaling (none for any other): the tensor the importer reads that scaling from."""
+    scaling = config.get("rope_scaling")
+    if not isinstance(scaling, dict) or scaling.get("rope_type") != "llama3":
+        return {}
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    if any(not isinstance(scaling.get(key), (int, float)) or isinstance(scaling.get(key), bool)
+           or not scaling[key] > 0 for key in keys):
+        raise PymlError(f"{model_dir / 'config.json'}: rope_scaling {scaling!r} lacks one of "
+                        f"{', '.join(keys)} as a positive number")
+    head_dim, theta = config.get("head_dim"), config.get("rope_theta")
+    if type(head_dim) is not int or type(theta) is not float:
+        raise PymlError(f"{model_dir / 'config.json'}: head_dim and rope_theta must be numbers")
+    factors = llama3_rope_factors({key: scaling[key] for key in keys}, head_dim,
+                                  float(np.float32(theta)))
+    return {ROPE_FACTORS: GGUFTensor(ROPE_FACTORS, GGMLType.F32, factors.shape, factors.view(np.uint8))}
 
 
 def tokenizer_metadata(model_dir: Path, described: dict, settings: dict) -> dict[str, object]:
@@ -306,10 +335,12 @@ def _tensor_plan(
     matrix_type: GGMLType,
 ) -> list[tuple[str, str, tuple[int, ...], GGMLType]]:
     """(GGUF name, Hugging Face name, shape, type) of every tensor, checked against the tensors
-    of the folder's model.safetensors (at `path`)."""
+    of the folder's model.safetensors (at `path`); the tensors that follow from the config
+    (`derived_tensors`) come last, with no Hugging Face name."""
     tied = config.get("tie_word_embeddings") is True
     expected = architecture.expected_shapes(tied)
-    hf_names = {architecture.hf_name(name): name for name in expected}
+    derived = architecture.derived_tensors()
+    hf_names = {architecture.hf_name(name): name for name in expected if name not in derived}
     found = {name: tuple(tensor.shape) for name, tensor in tensors.items()}
     missing = [name for name in hf_names if name not in found]
     if missing:
@@ -334,7 +365,7 @@ def _tensor_plan(
         else:
             kind = matrix_type
         plan.append((name, hf_name, expected[name], kind))
-    return plan
+    return plan + [(name, None, tensor.shape, GGMLType.F32) for name, tensor in derived.items()]
 
 
 # -- writing
@@ -383,6 +414,9 @@ def _write(path, architecture, metadata, tensors, plan, file_type, shown_name) -
     writer.write_ti_data_to_file()
     with tqdm(plan, disable=not shown_name, unit="tensor", desc=f"writing {shown_name}") as bar:
         for name, hf_name, _, kind in bar:
+            if hf_name is None:
+                writer.write_tensor_data(architecture.derived_tensors()[name])
+                continue
             weight = np.asarray(tensors.pop(hf_name), dtype=np.float32)
             writer.write_tensor_data(quantize(gguf_weight(architecture, name, weight), kind))
     (handle,) = writer.fout

@@ -131,7 +131,10 @@ def _generation_config(gguf: GGUFFile) -> dict[str, int]:
 
 def _decode_tensors(gguf: GGUFFile, architecture: Llama, bar: tqdm | None) -> dict[str, np.ndarray]:
     tensors = {}
+    derived = architecture.derived_tensors()  # checked when the dims were read; no weights
     for name, tensor in gguf.tensors.items():
+        if name in derived:
+            continue
         weight = dequantize(tensor.data, tensor.ggml_type, tensor.shape)
         tensors[architecture.hf_name(name)] = architecture.hf_weight(name, weight)
         if bar is not None:

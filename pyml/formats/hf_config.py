@@ -58,6 +58,8 @@ def common_fields(spec: DecoderModel, attention: Attention, mlp: MLP) -> dict[st
         "tie_word_embeddings": spec.lm_head.tied,
         "rms_norm_eps": spec.final_norm.eps,
         "rope_theta": attention.rope.theta if attention.rope else None,
+        "rope_scaling": (hf_rope_scaling(attention.rope.scaling.model_dump())
+                         if attention.rope and attention.rope.scaling else None),
     }
 
 
@@ -93,6 +95,8 @@ def not_describable(spec: DecoderModel, attention: Attention, mlp: MLP, gemma: b
     for layer_type in (True, False):  # sliding, global: one window and one RoPE base each
         if len({(kind.window, kind.rope_theta) for kind in types if bool(kind.window) == layer_type}) > 1:
             problems.append("windows or RoPE bases that differ between layers of one type")
+    if attention.rope is not None and attention.rope.scaling is not None:
+        problems.append("RoPE scaling")  # Gemma 3 scales its global layers only
     if not math.isclose(spec.embedding.scale, spec.embedding.dim**0.5, rel_tol=1e-7):
         problems.append(f"embedding scale other than sqrt({spec.embedding.dim})")
     if mlp.bias:
@@ -137,14 +141,21 @@ def described_config(spec: DecoderModel) -> tuple[dict[str, object], list[str]]:
     return fields, not_describable(spec, attention, mlp, gemma)
 
 
+def hf_rope_scaling(scaling: dict) -> dict:
+    """The spec's RoPE scaling as a Hugging Face config's `rope_scaling` (`rope_type` for `type`)."""
+    return {"rope_type": scaling["type"]} | {key: value for key, value in scaling.items() if key != "type"}
+
+
 def with_rope_bases(config: dict) -> dict:
-    """`config` with `rope_theta` (and Gemma's `rope_local_base_freq`) as import-gguf writes
-    them, also where transformers 5 saved them in `rope_parameters` instead."""
+    """`config` with `rope_theta`, `rope_scaling` (and Gemma's `rope_local_base_freq`) as
+    import-gguf writes them, also where transformers 5 saved them in `rope_parameters` instead."""
     parameters = config.get("rope_parameters")
     if not isinstance(parameters, dict):
         return config
     if "rope_theta" in parameters:  # one base for every layer (Llama)
         bases = {"rope_theta": parameters["rope_theta"]}
+        if parameters.get("rope_type", "default") != "default":
+            bases["rope_scaling"] = {key: value for key, value in parameters.items() if key != "rope_theta"}
     else:  # a base per layer type (Gemma 3)
         per_type = {kind: value for kind, value in parameters.items() if isinstance(value, dict)}
         bases = {"rope_theta": per_type.get("full_attention", {}).get("rope_theta"),

@@ -233,7 +233,8 @@ def stored_weights(model, linears, gguf_path: Path) -> tuple[dict[str, tuple], d
 
     gguf = read_gguf(gguf_path)
     architecture = architecture_of(gguf)
-    gguf_names = {architecture.hf_name(name): name for name in gguf.tensors}
+    derived = architecture.derived_tensors()  # rope_freqs.weight: no weight of the model
+    gguf_names = {architecture.hf_name(name): name for name in gguf.tensors if name not in derived}
     weights, formats = {}, {}
     for prefix, attr, _, tensors in linears:
         param = getattr(model.params, attr)

@@ -236,15 +236,16 @@ class Model:
 
 class DecoderModel(Model):
     """A decoder over token ids (B, T): training, logits, and decoding with a KV cache.
-    Subclasses also set `ROPE_TABLES`: (the RoPE base, half the head_dim it rotates) per table."""
+    Subclasses also set `ROPE_TABLES`: (the RoPE base, half the head_dim it rotates, the scaling
+    of its frequencies as a dict or None) per table."""
 
     def __init__(self, dtype=np.float32, device="cpu"):
         super().__init__(dtype, device)
         self.rope = []  # (cos, sin) per table, (MAX_SEQ_LEN, half) on the device
-        for theta, half in self.ROPE_TABLES:
+        for theta, half, scaling in self.ROPE_TABLES:
             cos = np.zeros((self.MAX_SEQ_LEN, half), self.device.dtype)
             sin = np.zeros((self.MAX_SEQ_LEN, half), self.device.dtype)
-            rope_tables(cos, sin, theta)
+            rope_tables(cos, sin, theta, scaling)
             tables = self.device.zeros(cos.shape), self.device.zeros(sin.shape)
             self.device.to_device(cos, tables[0])
             self.device.to_device(sin, tables[1])
@@ -254,7 +255,7 @@ class DecoderModel(Model):
     def table_bytes(cls, itemsize):
         # each RoPE table's cos and sin on the host and on the device, and the float64 angles
         # they are computed from
-        return sum(cls.MAX_SEQ_LEN * half * (4 * itemsize + 8) for _, half in cls.ROPE_TABLES)
+        return sum(cls.MAX_SEQ_LEN * half * (4 * itemsize + 8) for _, half, _ in cls.ROPE_TABLES)
 
     @classmethod
     def tables_described(cls):

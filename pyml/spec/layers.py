@@ -91,10 +91,41 @@ class SiLU(Strict):
     name: Identifier | None = None
 
 
+class LinearScaling(Strict):
+    """Positions divided by `factor` (transformers' rope_type "linear")."""
+
+    type: Literal["linear"] = "linear"
+    factor: PositiveFloat
+
+
+class Llama3Scaling(Strict):
+    """Llama 3.1's frequency scaling (transformers' rope_type "llama3"): frequencies whose
+    wavelength exceeds original_max_position_embeddings / low_freq_factor are divided by
+    `factor`, those under original_max_position_embeddings / high_freq_factor are kept, and those
+    between are interpolated smoothly between the two."""
+
+    type: Literal["llama3"] = "llama3"
+    factor: PositiveFloat
+    low_freq_factor: PositiveFloat
+    high_freq_factor: PositiveFloat
+    original_max_position_embeddings: PositiveInt
+
+    @model_validator(mode="after")
+    def band_not_empty(self) -> Llama3Scaling:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"rope scaling: high_freq_factor {self.high_freq_factor} must exceed "
+                f"low_freq_factor {self.low_freq_factor}"
+            )
+        return self
+
+
 class RoPE(Strict):
-    """Rotary position embedding on query and key heads (the half-split form Llama uses)."""
+    """Rotary position embedding on query and key heads (the half-split form Llama uses), its
+    frequencies theta ** (-2i / head_dim), scaled as `scaling` says."""
 
     theta: PositiveFloat = 10000.0
+    scaling: Annotated[LinearScaling | Llama3Scaling, Field(discriminator="type")] | None = None
 
 
 class HeadNorm(Strict):
@@ -144,6 +175,11 @@ class Attention(Strict):
             )
         if self.rope is None and any(kind.rope_theta is not None for kind in self.pattern or ()):
             raise ValueError("attention: a pattern entry sets rope_theta but the attention has no rope")
+        if self.rope is not None and self.rope.scaling is not None and any(
+                kind.rope_theta is not None for kind in self.pattern or ()):
+            # which layers a scaling applies to, when their bases differ, is a model's choice
+            # (Gemma 3 scales only its global layers); no spec here needs it yet
+            raise ValueError("attention: rope scaling with a pattern entry's own rope_theta is not supported")
         return self
 
     @property

@@ -101,3 +101,20 @@ def test_transformers_qwen3_config_describes_llamas_block_with_qk_norm():
     gemma_like = parse_spec(llama_spec(qk_norm={"eps": 1e-5, "unit_offset": True}), "odd.toml")
     assert config_mismatches(gemma_like, {"model_type": "qwen3"}) == [
         "config.json cannot describe the spec's unit-offset norms"]
+
+
+def test_transformers_config_with_rope_scaling_describes_the_scaled_spec():
+    scaling = {"type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+    spec = parse_spec(llama_spec(rope={"theta": 10000.0, "scaling": scaling}), "llama3.toml")
+    hf = {"rope_type": "llama3"} | {key: value for key, value in scaling.items() if key != "type"}
+    saved = LlamaConfig(vocab_size=11, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                        max_position_embeddings=16, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                        rope_parameters=hf | {"rope_theta": 10000.0}).to_dict()
+    assert "rope_scaling" not in saved and config_mismatches(spec, saved) == []
+    # as import-gguf writes it, and a config that leaves the scaling out
+    legacy = {key: value for key, value in saved.items() if key != "rope_parameters"}
+    assert config_mismatches(spec, legacy | {"rope_theta": 10000.0, "rope_scaling": hf}) == []
+    assert config_mismatches(spec, legacy | {"rope_theta": 10000.0}) == [
+        f"rope_scaling is None in config.json but {hf!r} in the spec"]

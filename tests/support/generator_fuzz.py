@@ -167,6 +167,15 @@ def attention(draw, dim, n_layers, max_len):
              "head_dim": head_dim, "qkv_bias": draw(st.booleans()), "out_bias": draw(st.booleans())}
     if rope:
         layer["rope"] = {"theta": draw(st.sampled_from([100.0, 10000.0, 1e6]))}
+        scaling = draw(st.sampled_from([None, "linear", "llama3"]))
+        if scaling == "linear":
+            layer["rope"]["scaling"] = {"type": "linear", "factor": draw(st.floats(0.5, 8.0))}
+        elif scaling == "llama3":  # bands around the drawn heads' wavelengths (2 pi to ~2 pi theta)
+            low = draw(st.floats(0.5, 2.0))
+            layer["rope"]["scaling"] = {
+                "type": "llama3", "factor": draw(st.floats(1.0, 32.0)), "low_freq_factor": low,
+                "high_freq_factor": low * draw(st.floats(1.5, 8.0)),
+                "original_max_position_embeddings": draw(st.integers(4, 512))}
     if draw(st.booleans()):
         layer["scale"] = draw(st.floats(0.1, 1.5))
     if draw(st.booleans()):
@@ -175,7 +184,9 @@ def attention(draw, dim, n_layers, max_len):
         # windows shorter and longer than T, and global layers among them
         entries = draw(st.lists(st.fixed_dictionaries({}, optional={
             "window": st.integers(1, max_len + 2),
-            **({"rope_theta": st.sampled_from([50.0, 5000.0])} if rope else {}),
+            # a base of their own on some layers (the spec refuses it beside a scaling)
+            **({"rope_theta": st.sampled_from([50.0, 5000.0])}
+               if rope and "scaling" not in layer["rope"] else {}),
         }), min_size=1, max_size=n_layers + 1))
         layer["pattern"] = entries
     return layer

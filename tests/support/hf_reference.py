@@ -9,6 +9,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama import modeling_llama
 
+from tests.support.torch_reference import scaled_in_float64
+
 
 def rms_norm_in_input_dtype(self, hidden):
     variance = hidden.pow(2).mean(-1, keepdim=True)
@@ -16,13 +18,17 @@ def rms_norm_in_input_dtype(self, hidden):
 
 
 def compute_in_float64(monkeypatch, head_dim: int, theta: float, modeling=modeling_llama,
-                       prefix: str = "Llama") -> None:
+                       prefix: str = "Llama", scaling: dict | None = None) -> None:
     """transformers' RMSNorm and rotary tables in the model's dtype, for this test: Llama's, or
-    those of the family whose modeling module and class prefix are given (Qwen2's)."""
+    those of the family whose modeling module and class prefix are given (Qwen2's); the
+    frequencies scaled as `scaling` (a spec's RoPE scaling) says."""
 
     def rotary_in_float64(self, x, position_ids):
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float64) / head_dim
-        freqs = position_ids[..., None].to(torch.float64) * (1.0 / theta**exponents)
+        inv_freq = 1.0 / theta**exponents
+        if scaling is not None:
+            inv_freq = scaled_in_float64(inv_freq, scaling)
+        freqs = position_ids[..., None].to(torch.float64) * inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
         return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
 

@@ -101,8 +101,34 @@ def block_shapes(dims: dict[str, int], gemma: bool, qkv_bias: bool = False,
     return shapes
 
 
-def write_gguf(path: Path, architecture: str, dims: dict[str, int]) -> None:
-    """A tiny GGUF of `architecture` (llama, qwen2, qwen3 or gemma3), every tensor float32."""
+def converter_rope_factors(scaling: dict, head_dim: int, theta: float) -> np.ndarray:
+    """rope_freqs.weight as llama.cpp's convert_hf_to_gguf.py computes it for a Hugging Face
+    `rope_scaling` of rope_type "llama3" (LlamaModel.generate_extra_tensors), in torch."""
+    import math
+
+    import torch
+
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_context_len / high:
+            factors.append(1)
+        elif wavelen > old_context_len / low:
+            factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32).numpy()
+
+
+def write_gguf(path: Path, architecture: str, dims: dict[str, int],
+               rope_scaling: dict | None = None) -> None:
+    """A tiny GGUF of `architecture` (llama, qwen2, qwen3 or gemma3), every tensor float32; a
+    llama one with `rope_scaling` (Hugging Face's: rope_type "linear" or "llama3") stores it as
+    llama.cpp's converter does."""
     gemma, qwen2, qwen3 = architecture == "gemma3", architecture == "qwen2", architecture == "qwen3"
     tokens = GEMMA_TOKENS if gemma else LLAMA_TOKENS
     writer = gguf.GGUFWriter(path, architecture)
@@ -153,6 +179,12 @@ def write_gguf(path: Path, architecture: str, dims: dict[str, int]) -> None:
         writer.add_add_bos_token(False)
         writer.add_add_space_prefix(False)
         writer.add_chat_template(LLAMA_CHAT_TEMPLATE)
+    if rope_scaling and rope_scaling["rope_type"] == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope_scaling["factor"])
+    elif rope_scaling:
+        writer.add_tensor("rope_freqs.weight", converter_rope_factors(
+            rope_scaling, dims["head_dim"], LLAMA_ATTENTION.rope.theta))
 
     rng = np.random.default_rng(7)
     shapes = {

@@ -36,10 +36,29 @@ def layer_norm(reference, x, layer: LayerNorm, name: str):
     return torch.nn.functional.layer_norm(x, (layer.dim,), reference.w(f"{name}.weight"), bias, layer.eps)
 
 
-def rotate(x, theta, positions):
-    """Llama's rotate_half RoPE on (B, heads, T, head_dim), positions (B, T)."""
+def scaled_in_float64(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """transformers' linear and llama3 RoPE scaling (modeling_rope_utils), on float64 `inv_freq`;
+    `scaling` is a spec's RoPE scaling as a dict."""
+    factor = scaling["factor"]
+    if scaling["type"] == "linear":
+        return inv_freq / factor
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_context_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_context_len / high) * ~(wavelen > old_context_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rotate(x, theta, positions, scaling=None):
+    """Llama's rotate_half RoPE on (B, heads, T, head_dim), positions (B, T), the frequencies
+    scaled as `scaling` (a spec's RoPE scaling, as a dict) says."""
     half = x.shape[-1] // 2
     inv_freq = 1.0 / theta ** (torch.arange(0, 2 * half, 2, dtype=torch.float64) / (2 * half))
+    if scaling is not None:
+        inv_freq = scaled_in_float64(inv_freq, scaling)
     angles = positions[:, None, :, None].to(torch.float64) * inv_freq  # (B, 1, T, half)
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     x1, x2 = x[..., :half], x[..., half:]
@@ -116,7 +135,9 @@ class Reference(torch.nn.Module):
             k = rms_norm(k, self.w(f"{prefix}.k_norm.weight"), a.qk_norm.eps, a.qk_norm.unit_offset)
         kind = a.type_of_layer(layer)
         if a.rope is not None:
-            q, k = rotate(q, kind.rope_theta, positions), rotate(k, kind.rope_theta, positions)
+            scaling = a.rope.scaling.model_dump() if a.rope.scaling else None
+            q, k = (rotate(q, kind.rope_theta, positions, scaling),
+                    rotate(k, kind.rope_theta, positions, scaling))
         k = k.repeat_interleave(H // KV, dim=1)
         v = v.repeat_interleave(H // KV, dim=1)
         scores = (q @ k.transpose(-1, -2)) * a.score_scale

@@ -8,28 +8,47 @@ import numpy as np
 from numba import njit, prange
 
 
-def rope_tables(cos, sin, theta):
-    # cos, sin are (max_seq_len, head_dim / 2).
+def rope_tables(cos, sin, theta, scaling=None):
+    # cos, sin are (max_seq_len, head_dim / 2); `scaling` is the spec's RoPE scaling as a dict
+    # (its `type` and parameters) or None.
     # float64 tables are computed in float64: a float64 model is the reference-precision one.
-    # float32 tables follow transformers' LlamaRotaryEmbedding, which computes in float32: inv_freq
+    # float32 tables follow transformers' rotary embeddings, which compute in float32: inv_freq
     # and the angles equal torch's bit for bit (float64 pow rounded to float32 is correctly rounded,
     # as torch's float32 pow is); cos and sin are the correctly rounded float32 values, and torch's
     # SLEEF float32 cos/sin (1 ulp) differ from them by at most 1 ulp on about 5% of the entries.
     max_seq_len, head_dim = cos.shape[0], 2 * cos.shape[1]
-    if cos.dtype == np.float64:
-        exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float64) / head_dim
+    real = cos.dtype.type
+    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(real) / real(head_dim)
+    if real is np.float64:
         inv_freq = 1.0 / theta**exponents
-        freqs = np.arange(max_seq_len, dtype=np.int64).astype(np.float64)[:, None] * inv_freq[None, :]
-        cos[:] = np.cos(freqs)
-        sin[:] = np.sin(freqs)
-        return
-    exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
-    powers = (theta ** exponents.astype(np.float64)).astype(np.float32)
-    inv_freq = np.float32(1.0) / powers
-    positions = np.arange(max_seq_len, dtype=np.int64).astype(np.float32)
+    else:
+        inv_freq = real(1.0) / (theta ** exponents.astype(np.float64)).astype(real)
+    inv_freq = scaled_frequencies(inv_freq, scaling)
+    positions = np.arange(max_seq_len, dtype=np.int64).astype(real)
     freqs = (positions[:, None] * inv_freq[None, :]).astype(np.float64)
-    cos[:] = np.cos(freqs).astype(np.float32)
-    sin[:] = np.sin(freqs).astype(np.float32)
+    cos[:] = np.cos(freqs).astype(cos.dtype)
+    sin[:] = np.sin(freqs).astype(sin.dtype)
+
+
+def scaled_frequencies(inv_freq, scaling):
+    """The inverse frequencies `inv_freq` scaled as `scaling` says, in their own precision, as
+    transformers' _compute_linear_scaling_rope_parameters and _compute_llama3_parameters scale
+    them (llama.cpp's converter stores the same llama3 factors as its rope_freqs tensor)."""
+    if scaling is None:
+        return inv_freq
+    real = inv_freq.dtype.type
+    factor = real(scaling["factor"])
+    if scaling["type"] == "linear":
+        return inv_freq / factor
+    low, high = real(scaling["low_freq_factor"]), real(scaling["high_freq_factor"])
+    context = real(scaling["original_max_position_embeddings"])
+    wavelen = real(2 * np.pi) / inv_freq
+    # long wavelengths slowed by `factor`, short ones kept, those between interpolated
+    scaled = np.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    smoothed = (real(1) - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < context / high) & ~(wavelen > context / low)
+    return np.where(medium, smoothed, scaled).astype(real)
 
 
 @njit(cache=True, parallel=True)
