@@ -216,7 +216,7 @@ def export_gguf(
         help="A model folder: written by `pyml import-gguf`, or a checkpoint of a run started from one.")],
     out: Annotated[Path, typer.Option(help="The GGUF file to write (replacing a GGUF there).")],
     type_name: Annotated[str, typer.Option(
-        "--type", help="How the matrices are stored: f32, f16, q8_0, q4_0 or q4_1 (norms stay f32).")] = "f32",
+        "--type", help="How the matrices are stored: f32, f16, q8_0, q4_0, q4_1, or llama-quantize's K-quant mixes q4_k_m, q5_k_m and q6_k (norms stay f32).")] = "f32",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace --out even when it is not a GGUF file.")] = False,
 ) -> None:
     """Write a llama or gemma3 model folder as a GGUF for llama.cpp, ollama and transformers:

@@ -11,7 +11,10 @@ holds (`pyml.formats.model_folder`): a llama or gemma3 model. We write what llam
   ids, the flags that add BOS/EOS or a space in front, and the chat template;
 - the tensors under GGUF names, changed back as the converter changes them: llama's Q and K rows
   reordered (its `permute`), Gemma's norm gains stored as 1 + w; 1-D tensors in float32 and the
-  others in the `--type` asked for (F16 where a row is no whole number of blocks, as there).
+  others in the `--type` asked for (F16 where a row is no whole number of blocks, as there), or
+  for a K-quant type in the mix `llama-quantize` makes of the same name (`tensor_type`), encoded
+  by llama.cpp's reference quantisers (`quantize_k`), so that the bytes are the ones
+  `llama-quantize` writes from our f32 export.
 
 Everything is checked before a byte is written, the strongest way we know: the metadata must read
 back, through the importer's own code (`architecture_of`, `build_tokenizer`), as the folder's
@@ -59,13 +62,20 @@ from pyml.formats.tokenizer import (
 from pyml.outputs import check_destination, os_error, written_file
 
 # --type -> the GGML type of the 2-D tensors, and general.file_type (llama.cpp's llama_ftype).
+# The K-quant types are llama-quantize's mixes of the same names (`tensor_type`).
 EXPORT_TYPES = {
     "f32": (GGMLType.F32, 0),
     "f16": (GGMLType.F16, 1),
     "q8_0": (GGMLType.Q8_0, 7),
     "q4_0": (GGMLType.Q4_0, 2),
     "q4_1": (GGMLType.Q4_1, 3),
+    "q4_k_m": (GGMLType.Q4_K, 15),
+    "q5_k_m": (GGMLType.Q5_K, 17),
+    "q6_k": (GGMLType.Q6_K, 18),
 }
+K_QUANTS = (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)
+# llama-quantize's type for a matrix whose rows are no whole number of the asked type's blocks
+FALLBACK = {GGMLType.Q4_K: GGMLType.Q5_0, GGMLType.Q5_K: GGMLType.Q5_1, GGMLType.Q6_K: GGMLType.Q8_0}
 # config.json's model_type -> the GGUF architecture.
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
 BYTE_TOKEN = 6  # llama.cpp's LLAMA_TOKEN_TYPE_BYTE: <0x00>..<0xFF> of a SentencePiece vocabulary
@@ -357,15 +367,37 @@ def _tensor_plan(
                 f"{path}: tensor {hf_name} has shape {found[hf_name]}; config.json's model has "
                 f"{expected[name]} ({architecture.describe_dims()})"
             )
-        values_per_block = BLOCK_LAYOUT[matrix_type][0]
-        if len(expected[name]) == 1:
-            kind = GGMLType.F32
-        elif expected[name][-1] % values_per_block:
-            kind = GGMLType.F16  # as the converter falls back when a row is no whole block
-        else:
-            kind = matrix_type
+        kind = tensor_type(name, expected[name], matrix_type, architecture.dims.n_layers, tied)
         plan.append((name, hf_name, expected[name], kind))
     return plan + [(name, None, tensor.shape, GGMLType.F32) for name, tensor in derived.items()]
+
+
+def tensor_type(name: str, shape: tuple[int, ...], asked: GGMLType, n_layers: int, tied: bool) -> GGMLType:
+    """The type a tensor is stored in when `asked` is: 1-D ones stay float32; with a K-quant
+    asked, as llama-quantize chooses (llama-quant.cpp, llama_tensor_get_type): the output matrix
+    (the embedding, when the head is tied to it) in Q6_K, or Q8_0 if its rows are no whole
+    number of 256-value blocks; in the _M mixes (Q4_K, Q5_K asked) attn_v and ffn_down in Q6_K
+    on the layers `use_more_bits` picks. A row that is no whole number of blocks falls back to
+    the type of 32-value blocks llama-quantize names (FALLBACK), then to F16."""
+    if len(shape) == 1:
+        return GGMLType.F32
+    kind, row = asked, shape[-1]
+    if asked in K_QUANTS:
+        _, layer, within = (name.split(".", 2) + ["", ""])[:3]
+        if name == "output.weight" or (tied and name == "token_embd.weight"):
+            kind = GGMLType.Q8_0 if row % BLOCK_LAYOUT[asked][0] else GGMLType.Q6_K
+        elif asked != GGMLType.Q6_K and within in ("attn_v.weight", "ffn_down.weight") and (
+                use_more_bits(int(layer), n_layers)):
+            kind = GGMLType.Q6_K
+    if row % BLOCK_LAYOUT[kind][0]:
+        kind = FALLBACK.get(kind, kind)
+    return GGMLType.F16 if row % BLOCK_LAYOUT[kind][0] else kind
+
+
+def use_more_bits(layer: int, n_layers: int) -> bool:
+    """llama-quantize's layers that get more bits in a mix: the first and last eighth, and every
+    third one between."""
+    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
 
 
 # -- writing

@@ -8,17 +8,22 @@ so the bytes are theirs (the tests compare them with `gguf.quants.quantize`, whi
     Q8_0  d = max|x| / 127                     q = round(x / d), halves away from zero
     Q4_0  d = -x_m / 8, x_m the x of largest |x|   q = min(15, trunc(x / d + 8.5))
     Q4_1  d = (max x - min x) / 15, m = min x      q = min(15, trunc((x - m) / d + 0.5))
+    Q5_0  d = -x_m / 16                        q = min(31, trunc(x / d + 16.5))
+    Q5_1  d = (max x - min x) / 31, m = min x      q = trunc((x - m) / d + 0.5)
 
 where "/ d" is a multiplication by 1 / d, and by 0 when d is 0. F16 rounds each value to the
-nearest float16 (ties to even), F32 keeps it.
+nearest float16 (ties to even), F32 keeps it. The K-quants (Q4_K, Q5_K, Q6_K: blocks of 256)
+fit their scales by search and are in `quantize_k`.
 """
 
 import numpy as np
 
+from pyml.formats import quantize_k
 from pyml.formats.quant import BLOCK_LAYOUT, GGMLType
 
-# The types `pyml export-gguf --type` writes.
-ENCODABLE = (GGMLType.F32, GGMLType.F16, GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1)
+# The types `pyml export-gguf` writes.
+ENCODABLE = (GGMLType.F32, GGMLType.F16, GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1,
+             GGMLType.Q5_0, GGMLType.Q5_1, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)
 BLOCKS_PER_CHUNK = 4096  # 512 KiB of float32 values
 
 
@@ -89,4 +94,27 @@ def _q4_1(blocks: np.ndarray) -> np.ndarray:
     return np.concatenate([_half_bytes(d), _half_bytes(low), _nibbles(q)], axis=1)
 
 
-_ENCODERS = {GGMLType.Q8_0: _q8_0, GGMLType.Q4_0: _q4_0, GGMLType.Q4_1: _q4_1}
+def _fifth_bits(q: np.ndarray) -> np.ndarray:
+    """The fifth bits of (n, 32) levels below 32 as a little-endian uint32 (bit j: value j), (n, 4)."""
+    bits = (q.astype(np.uint32) >> np.uint32(4)) << np.arange(32, dtype=np.uint32)
+    return np.bitwise_or.reduce(bits, axis=1).astype("<u4").view(np.uint8).reshape(-1, 4)
+
+
+def _q5_0(blocks: np.ndarray) -> np.ndarray:
+    largest = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=1)[:, None], axis=1)
+    d = largest / np.float32(-16)
+    q = np.minimum(np.trunc(blocks * _inverse(d) + np.float32(16.5)), 31).astype(np.uint8)
+    return np.concatenate([_half_bytes(d), _fifth_bits(q), _nibbles(q & np.uint8(0xF))], axis=1)
+
+
+def _q5_1(blocks: np.ndarray) -> np.ndarray:
+    low = blocks.min(axis=1, keepdims=True)
+    d = (blocks.max(axis=1, keepdims=True) - low) / np.float32(31)
+    q = np.trunc((blocks - low) * _inverse(d) + np.float32(0.5)).astype(np.uint8)
+    return np.concatenate([_half_bytes(d), _half_bytes(low), _fifth_bits(q), _nibbles(q & np.uint8(0xF))],
+                          axis=1)
+
+
+_ENCODERS = {GGMLType.Q8_0: _q8_0, GGMLType.Q4_0: _q4_0, GGMLType.Q4_1: _q4_1,
+             GGMLType.Q5_0: _q5_0, GGMLType.Q5_1: _q5_1, GGMLType.Q4_K: quantize_k.q4_k,
+             GGMLType.Q5_K: quantize_k.q5_k, GGMLType.Q6_K: quantize_k.q6_k}

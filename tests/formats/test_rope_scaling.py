@@ -123,6 +123,24 @@ def test_the_export_stores_the_scaling_as_llama_cpp_and_imports_back(scaled, tmp
         np.testing.assert_array_equal(tensor, theirs[tensor_name].numpy(), err_msg=tensor_name)
 
 
+def test_llama_cpp_runs_our_export_with_the_scaling_as_transformers(scaled, tmp_path):
+    """The check that our file means to llama.cpp what the folder means to transformers: its
+    logits for 40 positions, float32 KV cache, against LlamaForCausalLM's on the folder."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make bench-llamacpp)")
+    from transformers import AutoModelForCausalLM
+
+    _, _, folder = scaled
+    exported = export_gguf(folder, tmp_path / "out.gguf", "f32", progress=False)
+    runner = llama_cpp.Llama(str(exported), n_ctx=64, logits_all=True, verbose=False, n_threads=2,
+                             type_k=0, type_v=0, flash_attn=False)  # GGML_TYPE_F32 keys and values
+    ids = np.random.default_rng(4).integers(3, 96, 40).tolist()
+    runner.eval(ids)
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(np.array(runner.scores[:len(ids)]), expected, rtol=1e-4, atol=1e-4)
+
+
 def test_greedy_tokens_on_the_stored_weights_equal_transformers(scaled):
     from transformers import AutoModelForCausalLM
 
