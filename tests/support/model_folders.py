@@ -63,6 +63,14 @@ GEMMA_PIECES = [
     "▁", "t", "h", "e", "i", "n", "a", "r", "o", "c", "p", "l", "f", "s", "F", "P", ".",
 ]  # fmt: skip
 GEMMA_TOKENS = GEMMA_SPECIAL + GEMMA_BYTES + GEMMA_USER_DEFINED + GEMMA_PIECES
+# Llama 2's and Mistral's SentencePiece vocabulary: <unk>, <s>, </s>, the byte tokens, then pieces
+# scored best first; a space goes in front of the text (add_space_prefix), and their chat template.
+MISTRAL_SPECIAL = ["<unk>", "<s>", "</s>"]
+MISTRAL_TOKENS = MISTRAL_SPECIAL + GEMMA_BYTES + GEMMA_PIECES
+MISTRAL_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+    "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+)
 
 
 def llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
@@ -125,12 +133,12 @@ def converter_rope_factors(scaling: dict, head_dim: int, theta: float) -> np.nda
 
 
 def write_gguf(path: Path, architecture: str, dims: dict[str, int],
-               rope_scaling: dict | None = None) -> None:
+               rope_scaling: dict | None = None, sentencepiece: bool = False) -> None:
     """A tiny GGUF of `architecture` (llama, qwen2, qwen3 or gemma3), every tensor float32; a
     llama one with `rope_scaling` (Hugging Face's: rope_type "linear" or "llama3") stores it as
-    llama.cpp's converter does."""
+    llama.cpp's converter does, and with `sentencepiece` Mistral's kind of vocabulary."""
     gemma, qwen2, qwen3 = architecture == "gemma3", architecture == "qwen2", architecture == "qwen3"
-    tokens = GEMMA_TOKENS if gemma else LLAMA_TOKENS
+    tokens = GEMMA_TOKENS if gemma else MISTRAL_TOKENS if sentencepiece else LLAMA_TOKENS
     writer = gguf.GGUFWriter(path, architecture)
     writer.add_context_length(64)
     writer.add_embedding_length(dims["hidden"])
@@ -168,6 +176,21 @@ def write_gguf(path: Path, architecture: str, dims: dict[str, int],
         writer.add_rope_dimension_count(dims["head_dim"])
         writer.add_layer_norm_rms_eps(LLAMA_SPEC.final_norm.eps)
         writer.add_rope_freq_base(LLAMA_ATTENTION.rope.theta)
+    if sentencepiece:
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_scores([0.0] * (len(MISTRAL_SPECIAL) + len(GEMMA_BYTES))
+                                + [-float(i) for i in range(len(GEMMA_PIECES))])
+        writer.add_token_types([2] + [3] * (len(MISTRAL_SPECIAL) - 1) + [6] * len(GEMMA_BYTES)
+                               + [1] * len(GEMMA_PIECES))
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_unk_token_id(0)
+        writer.add_add_bos_token(True)
+        writer.add_add_eos_token(False)
+        writer.add_add_space_prefix(True)
+        writer.add_chat_template(MISTRAL_CHAT_TEMPLATE)
+    elif not gemma:
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre("qwen2" if qwen2 or qwen3 else "smollm")
         writer.add_token_types([3] * len(LLAMA_SPECIAL) + [1] * (len(tokens) - len(LLAMA_SPECIAL)))
