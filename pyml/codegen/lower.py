@@ -241,14 +241,19 @@ class Lowering:
         types = [attention.type_of_layer(layer) for layer in range(n_layers)]
         if attention.rope is not None:
             scaling = attention.rope.scaling.model_dump() if attention.rope.scaling else None
-            tables = tuple(self.rope_table(kind.rope_theta, HD, scaling) for kind in types)
+            R = attention.rotary_dims
+            tables = tuple(self.rope_table(kind.rope_theta, R, scaling) for kind in types)
             self.constants[f"{name.upper()}_ROPE_TABLE"] = tables
             # every table of one head_dim has the same rotation kernel: the first one's
             ops.append(Op("rope", f"rope_table{tables[0]}", (qk,), (qk,),
                           attrs={"tables": f"{name.upper()}_ROPE_TABLE"},
-                          instances=(Instance(f"{name}_rope", "rotation_adjoint", {"n": HD // 2},
+                          instances=(Instance(f"{name}_rope", "rotation_adjoint", {"n": R // 2},
                                               f"{name}_rope: rotation of the two halves of a "
-                                              f"{HD}-dim head; c, s are the table's row at each "
+                                              + (f"{HD}-dim head" if R == HD else
+                                                 f"{HD}-dim head's first {R} features (the other "
+                                                 f"{HD - R} pass unchanged: the identity, its own "
+                                                 "adjoint)")
+                                              + "; c, s are the table's row at each "
                                               "token's position: data, so the law holds for any "
                                               "frequencies and positions"
                                               + (f", {scaling['type']}-scaled ones included"

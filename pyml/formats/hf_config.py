@@ -72,6 +72,8 @@ def not_describable(spec: DecoderModel, attention: Attention, mlp: MLP, gemma: b
     problems = []
     if attention.rope is None:
         problems.append("attention without RoPE")
+    if attention.rotary_dims != attention.head_dim:
+        problems.append("RoPE on part of each head")
     if attention.out_bias and not attention.qkv_bias:
         problems.append("bias on the attention's output projection alone")
     if attention.qkv_bias and not attention.out_bias and (gemma or mlp.bias):

@@ -122,9 +122,11 @@ class Llama3Scaling(Strict):
 
 class RoPE(Strict):
     """Rotary position embedding on query and key heads (the half-split form Llama uses), its
-    frequencies theta ** (-2i / head_dim), scaled as `scaling` says."""
+    frequencies theta ** (-2i / dims), scaled as `scaling` says. `dims` rotates only the first
+    features of each head and passes the others through (Phi's partial rotary; default: all)."""
 
     theta: PositiveFloat = 10000.0
+    dims: PositiveInt | None = None
     scaling: Annotated[LinearScaling | Llama3Scaling, Field(discriminator="type")] | None = None
 
 
@@ -168,10 +170,16 @@ class Attention(Strict):
                 f"attention: n_kv_heads {self.n_kv_heads} must divide "
                 f"n_heads {self.n_heads} (each key/value head serves a whole group of query heads)"
             )
-        if self.rope is not None and self.head_dim % 2 != 0:
+        if self.rope is not None and self.rope.dims is None and self.head_dim % 2 != 0:
             raise ValueError(
                 f"attention: RoPE rotates pairs of features, so head_dim must be "
                 f"even, got {self.head_dim}"
+            )
+        if self.rope is not None and self.rope.dims is not None and (
+                self.rope.dims % 2 != 0 or self.rope.dims > self.head_dim):
+            raise ValueError(
+                f"attention: rope.dims must be an even number of features of a head of "
+                f"{self.head_dim}, got {self.rope.dims}"
             )
         if self.rope is None and any(kind.rope_theta is not None for kind in self.pattern or ()):
             raise ValueError("attention: a pattern entry sets rope_theta but the attention has no rope")
@@ -181,6 +189,11 @@ class Attention(Strict):
             # (Gemma 3 scales only its global layers); no spec here needs it yet
             raise ValueError("attention: rope scaling with a pattern entry's own rope_theta is not supported")
         return self
+
+    @property
+    def rotary_dims(self) -> int:
+        """The features of each head RoPE rotates (the first ones)."""
+        return self.rope.dims if self.rope and self.rope.dims else self.head_dim
 
     @property
     def score_scale(self) -> float:

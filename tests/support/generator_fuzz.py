@@ -167,6 +167,8 @@ def attention(draw, dim, n_layers, max_len):
              "head_dim": head_dim, "qkv_bias": draw(st.booleans()), "out_bias": draw(st.booleans())}
     if rope:
         layer["rope"] = {"theta": draw(st.sampled_from([100.0, 10000.0, 1e6]))}
+        if draw(st.booleans()):  # partial rotary: the first features of each head
+            layer["rope"]["dims"] = draw(st.sampled_from([d for d in (2, 4) if d <= head_dim]))
         scaling = draw(st.sampled_from([None, "linear", "llama3"]))
         if scaling == "linear":
             layer["rope"]["scaling"] = {"type": "linear", "factor": draw(st.floats(0.5, 8.0))}

@@ -52,9 +52,12 @@ def scaled_in_float64(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rotate(x, theta, positions, scaling=None):
+def rotate(x, theta, positions, scaling=None, dims=None):
     """Llama's rotate_half RoPE on (B, heads, T, head_dim), positions (B, T), the frequencies
-    scaled as `scaling` (a spec's RoPE scaling, as a dict) says."""
+    scaled as `scaling` (a spec's RoPE scaling, as a dict) says; with `dims`, on the first `dims`
+    features only, the others passed through (Phi's partial rotary)."""
+    if dims is not None and dims < x.shape[-1]:
+        return torch.cat([rotate(x[..., :dims], theta, positions, scaling), x[..., dims:]], -1)
     half = x.shape[-1] // 2
     inv_freq = 1.0 / theta ** (torch.arange(0, 2 * half, 2, dtype=torch.float64) / (2 * half))
     if scaling is not None:
@@ -136,8 +139,8 @@ class Reference(torch.nn.Module):
         kind = a.type_of_layer(layer)
         if a.rope is not None:
             scaling = a.rope.scaling.model_dump() if a.rope.scaling else None
-            q, k = (rotate(q, kind.rope_theta, positions, scaling),
-                    rotate(k, kind.rope_theta, positions, scaling))
+            q, k = (rotate(q, kind.rope_theta, positions, scaling, a.rope.dims),
+                    rotate(k, kind.rope_theta, positions, scaling, a.rope.dims))
         k = k.repeat_interleave(H // KV, dim=1)
         v = v.repeat_interleave(H // KV, dim=1)
         scores = (q @ k.transpose(-1, -2)) * a.score_scale
