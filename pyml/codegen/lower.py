@@ -204,10 +204,14 @@ class Lowering:
         ops: list[Op] = []
         qkv = self.storage(f"{name}_qkv", ("B", "T", heads, HD))
         rows = self.view(f"{name}_qkv_rows", qkv, ("N", heads * HD), "rows")
-        q_rows = [(f"{prefix}.q_proj", 0, H * HD), (f"{prefix}.k_proj", H * HD, (H + KV) * HD),
-                  (f"{prefix}.v_proj", (H + KV) * HD, heads * HD)]
+        if attention.fused_qkv:
+            q_rows, targets = [(f"{prefix}.qkv_proj", 0, heads * HD)], ("qkv",)
+        else:
+            q_rows = [(f"{prefix}.q_proj", 0, H * HD), (f"{prefix}.k_proj", H * HD, (H + KV) * HD),
+                      (f"{prefix}.v_proj", (H + KV) * HD, heads * HD)]
+            targets = ("q", "k", "v")
         op, _ = self.linear(f"{name}_qkv", x, heads * HD, attention.qkv_bias, q_rows, out=rows,
-                            targets=("q", "k", "v"))
+                            targets=targets)
         ops.append(op)
         q = self.view(f"{name}_q", qkv, ("B", "T", H, HD), "heads", 0, H)
         k = self.view(f"{name}_k", qkv, ("B", "T", KV, HD), "heads", H, H + KV)
@@ -288,10 +292,13 @@ class Lowering:
 
     def mlp(self, name: str, mlp: MLP, x: str, prefix: str) -> tuple[list[Op], str]:
         dim, hidden = self.features(x), mlp.hidden
-        op_gate_up, gate_up = self.linear(
-            f"{name}_gate_up", x, 2 * hidden, mlp.bias,
-            [(f"{prefix}.gate_proj", 0, hidden), (f"{prefix}.up_proj", hidden, 2 * hidden)],
-            targets=("gate", "up"))
+        if mlp.fused_gate_up:
+            rows, targets = [(f"{prefix}.gate_up_proj", 0, 2 * hidden)], ("gate_up",)
+        else:
+            rows = [(f"{prefix}.gate_proj", 0, hidden), (f"{prefix}.up_proj", hidden, 2 * hidden)]
+            targets = ("gate", "up")
+        op_gate_up, gate_up = self.linear(f"{name}_gate_up", x, 2 * hidden, mlp.bias, rows,
+                                          targets=targets)
         h = self.storage(f"{name}_hidden", ("N", hidden))
         self.kernel(mlp.activation, {"p": f"{name}_glu", "dim": dim, "hidden": hidden})
         activation = "silu" if mlp.activation == "swiglu" else "tanh-approximated GELU"

@@ -1,4 +1,4 @@
-"""What a llama, qwen2, qwen3 or gemma3 GGUF means: its hyper-parameters, tensors, Hugging Face form and spec.
+"""What a llama, qwen2, qwen3, phi3 or gemma3 GGUF means: its hyper-parameters, tensors, Hugging Face form and spec.
 
 A GGUF names its architecture in `general.architecture` and keeps the hyper-parameters under
 `{architecture}.*` metadata keys; what the file does not state, llama.cpp fixes per architecture
@@ -35,7 +35,7 @@ from pyml.formats.gguf_read import GGUFFile
 from pyml.formats.hf_config import hf_rope_scaling
 from pyml.formats.quant import GGMLType
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "gemma3")
+SUPPORTED = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
 
 # Llama 3's RoPE scaling as llama.cpp stores it: the factor that divides each frequency.
 ROPE_FACTORS = "rope_freqs.weight"
@@ -62,8 +62,18 @@ class LlamaDims:
     context_length: int
     rms_norm_eps: float
     rope_theta: float
+    rope_dims: int  # the features of each head RoPE rotates (the first ones)
     # the spec's RoPE scaling ({"type": "linear" or "llama3", its parameters}), or None
     rope_scaling: dict | None
+
+
+@dataclass(frozen=True)
+class Phi3Dims(LlamaDims):
+    """A phi3 model's dimensions: a llama's, plus its window (0: none) and the context its RoPE
+    was trained for."""
+
+    sliding_window: int
+    original_context_length: int
 
 
 @dataclass(frozen=True)
@@ -121,6 +131,8 @@ def architecture_of(gguf: GGUFFile) -> Llama:
         return Qwen3(gguf)
     if architecture == "gemma3":
         return Gemma3(gguf)
+    if architecture == "phi3":
+        return Phi3(gguf)
     raise PymlError(
         f"{gguf.path}: architecture {architecture!r} is not supported (only {', '.join(SUPPORTED)})"
     )
@@ -132,6 +144,8 @@ class Llama:
     name = "llama"
     hf_class = "LlamaForCausalLM"
     stores_rope_factors = True  # Llama 3's RoPE scaling as rope_freqs.weight (llama.cpp loads it)
+    partial_rotary = False  # RoPE on the first rope.dimension_count features of each head only
+    linear_rope_scaling = True  # rope.scaling.type "linear" (Gemma 3 scales its global layers only)
     qkv_bias = False  # biases on the q, k and v projections (not on the output's)
     qk_norm = False  # an RMSNorm of each q and k head (its gain w, no unit offset)
     # GGUF name within block i ("blk.{i}.") -> Hugging Face name within "model.layers.{i}.".
@@ -171,8 +185,11 @@ class Llama:
             raise meta.fail(f"{n_heads} heads do not share {n_kv_heads} key/value heads")
         if head_dim % 2:
             raise meta.fail(f"head size {head_dim} is odd; rotary embeddings need pairs")
-        if meta.integer("rope.dimension_count", head_dim) != head_dim:
+        rope_dims = meta.integer("rope.dimension_count", head_dim)
+        if rope_dims != head_dim and not self.partial_rotary:
             raise meta.fail("rotary embeddings on part of each head are not supported")
+        if rope_dims > head_dim or rope_dims % 2:
+            raise meta.fail(f"rope.dimension_count {rope_dims} is not an even part of heads of {head_dim}")
         rope_theta = meta.real("rope.freq_base", 1e4)  # llama.cpp's default
 
         tokens = gguf.metadata.get("tokenizer.ggml.tokens")
@@ -192,6 +209,7 @@ class Llama:
             context_length=meta.integer("context_length"),
             rms_norm_eps=meta.real("attention.layer_norm_rms_epsilon"),
             rope_theta=rope_theta,
+            rope_dims=rope_dims,
             rope_scaling=self.read_rope_scaling(meta, gguf, head_dim, rope_theta),
         )
 
@@ -202,10 +220,9 @@ class Llama:
         factors of a `rope_freqs.weight` tensor."""
         kind = gguf.metadata.get(meta.prefix + "rope.scaling.type", "none")
         factors = gguf.tensors.get(ROPE_FACTORS) if self.stores_rope_factors else None
-        if kind == "linear" and factors is None:
+        if kind == "linear" and factors is None and self.linear_rope_scaling:
             return {"type": "linear", "factor": meta.real("rope.scaling.factor")}
-        if kind != "none":
-            raise meta.fail(f"rope scaling {kind!r} is not supported ({meta.prefix}rope.scaling.type)")
+        meta.refuse("rope.scaling.type", "rope scaling", allowed="none")
         if factors is None:
             return None
         if factors.ggml_type != GGMLType.F32 or factors.shape != (head_dim // 2,):
@@ -401,6 +418,80 @@ class Qwen3(Llama):
         return config | {"model_type": "qwen3", "use_sliding_window": False}
 
 
+class Phi3(Llama):
+    """A phi3-architecture GGUF (Phi-3 mini and medium, Phi-4 mini): Llama's block with q, k and v
+    in one tensor (attn_qkv) and gate and up in one (ffn_up, gate rows first), as Hugging Face's
+    Phi3 keeps them (qkv_proj, gate_up_proj); RoPE on the first rope.dimension_count features of
+    each head (partial_rotary_factor), rotated in halves (no Q/K reordering); and a sliding window
+    on every layer when attention.sliding_window is positive (llama.cpp currently runs Phi-3
+    without it, which is the same up to that many tokens)."""
+
+    name = "phi3"
+    hf_class = "Phi3ForCausalLM"
+    stores_rope_factors = False
+    partial_rotary = True
+    block_names = {
+        "attn_norm.weight": "input_layernorm.weight",
+        "attn_qkv.weight": "self_attn.qkv_proj.weight",
+        "attn_output.weight": "self_attn.o_proj.weight",
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+        "ffn_up.weight": "mlp.gate_up_proj.weight",
+        "ffn_down.weight": "mlp.down_proj.weight",
+    }
+
+    def read_dims(self, meta: Metadata, gguf: GGUFFile) -> Phi3Dims:
+        for factors in ("rope_factors_long.weight", "rope_factors_short.weight"):
+            if factors in gguf.tensors:
+                raise meta.fail(f"LongRoPE scaling ({factors}: Phi-3 128k, Phi-3.5) is not supported")
+        window = gguf.metadata.get(meta.prefix + "attention.sliding_window", 0)
+        if type(window) is not int or window < 0:
+            raise meta.fail(f"{meta.prefix}attention.sliding_window is {window!r}, not a count of positions")
+        common = self.common_dims(meta, gguf)
+        return Phi3Dims(**common, sliding_window=window,
+                        original_context_length=meta.integer("rope.scaling.original_context_length",
+                                                             common["context_length"]))
+
+    def block_shapes(self) -> dict[str, tuple[int, ...]]:
+        dims = self.dims
+        rows = (dims.n_heads + 2 * dims.n_kv_heads) * dims.head_dim
+        return {
+            "attn_norm.weight": (dims.hidden,),
+            "attn_qkv.weight": (rows, dims.hidden),
+            "attn_output.weight": (dims.hidden, dims.n_heads * dims.head_dim),
+            "ffn_norm.weight": (dims.hidden,),
+            "ffn_up.weight": (2 * dims.ffn, dims.hidden),
+            "ffn_down.weight": (dims.hidden, dims.ffn),
+        }
+
+    def hf_weight(self, gguf_name: str, weight: np.ndarray) -> np.ndarray:
+        return weight
+
+    def hf_config(self, tied: bool) -> dict[str, object]:
+        """config.json without the special token ids: the Hugging Face Phi3Config."""
+        dims = self.dims
+        config = super().hf_config(tied)
+        for llama_only in ("attention_bias", "mlp_bias"):
+            del config[llama_only]
+        return config | {
+            "model_type": "phi3",
+            "partial_rotary_factor": dims.rope_dims / dims.head_dim,
+            "original_max_position_embeddings": dims.original_context_length,
+            "sliding_window": dims.sliding_window or None,
+        }
+
+    def spec(self, name: str, tied: bool) -> dict[str, object]:
+        dims = self.dims
+        spec = super().spec(name, tied)
+        attention, mlp = spec["block"]["attention"], spec["block"]["mlp"]
+        attention["fused_qkv"] = True
+        mlp["fused_gate_up"] = True
+        if dims.rope_dims != dims.head_dim:
+            attention["rope"]["dims"] = dims.rope_dims
+        if dims.sliding_window:
+            attention["pattern"] = [{"window": dims.sliding_window}]
+        return spec
+
+
 class Gemma3(Llama):
     """A gemma3-architecture GGUF (the text model of Gemma 3): pre- and post-norms around
     attention and MLP, QK-norm, GeGLU, unit-offset RMSNorm, a scaled embedding and
@@ -409,6 +500,7 @@ class Gemma3(Llama):
     name = "gemma3"
     hf_class = "Gemma3ForCausalLM"
     stores_rope_factors = False
+    linear_rope_scaling = False
     block_names = {
         "attn_norm.weight": "input_layernorm.weight",
         "attn_q.weight": "self_attn.q_proj.weight",
@@ -431,9 +523,6 @@ class Gemma3(Llama):
 
     def read_dims(self, meta: Metadata, gguf: GGUFFile) -> Gemma3Dims:
         common = self.common_dims(meta, gguf)
-        if common["rope_scaling"] is not None:  # Gemma 3 scales its global layers only
-            raise meta.fail("rope scaling is not supported for gemma3 "
-                            f"({meta.prefix}rope.scaling.type is 'linear')")
         meta.refuse("attn_logit_softcapping", "attention logit soft-capping")
         meta.refuse("final_logit_softcapping", "final logit soft-capping")
         if common["n_layers"] == self.LAYERS_OF_27B:

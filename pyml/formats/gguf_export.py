@@ -2,7 +2,7 @@
 transformers load.
 
 The folder is what `pyml import-gguf` writes and what every checkpoint of a run started from one
-holds (`pyml.formats.model_folder`): a llama or gemma3 model. We write what llama.cpp's converter
+holds (`pyml.formats.model_folder`): a llama, qwen2, qwen3, phi3 or gemma3 model. We write what llama.cpp's converter
 (convert_hf_to_gguf.py) writes for it, with the `gguf` package's writer:
 
 - the architecture's metadata from config.json, under the keys `gguf_architectures` reads;
@@ -54,6 +54,7 @@ from pyml.formats.safetensors_io import read_safetensors
 from pyml.formats.tokenizer import (
     CONTROL_TOKEN,
     NORMAL_TOKEN,
+    UNKNOWN_TOKEN,
     USER_DEFINED_TOKEN,
     build_tokenizer,
     special_token_id,
@@ -77,7 +78,8 @@ K_QUANTS = (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)
 # llama-quantize's type for a matrix whose rows are no whole number of the asked type's blocks
 FALLBACK = {GGMLType.Q4_K: GGMLType.Q5_0, GGMLType.Q5_K: GGMLType.Q5_1, GGMLType.Q6_K: GGMLType.Q8_0}
 # config.json's model_type -> the GGUF architecture.
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+                 "gemma3_text": "gemma3"}
 BYTE_TOKEN = 6  # llama.cpp's LLAMA_TOKEN_TYPE_BYTE: <0x00>..<0xFF> of a SentencePiece vocabulary
 ADDED_TOKEN_SCORE = -1000.0  # what the converter scores added (control, user-defined) tokens
 SPECIAL_TOKENS = {
@@ -176,6 +178,10 @@ def architecture_metadata(model_dir: Path, config: dict) -> dict[str, object]:
     if name in ("llama", "qwen2", "qwen3"):
         metadata[f"{name}.vocab_size"] = value("vocab_size", int)
         metadata[f"{name}.rope.dimension_count"] = head_dim
+    elif name == "phi3":  # as llama.cpp's Phi3MiniModel writes it; a window of 0: none
+        metadata["phi3.rope.dimension_count"] = round(value("partial_rotary_factor", float) * head_dim)
+        metadata["phi3.rope.scaling.original_context_length"] = value("original_max_position_embeddings", int)
+        metadata["phi3.attention.sliding_window"] = config.get("sliding_window") or 0
     else:
         metadata["gemma3.attention.sliding_window"] = value("sliding_window", int)
     scaling = config.get("rope_scaling")
@@ -226,6 +232,9 @@ def tokenizer_metadata(model_dir: Path, described: dict, settings: dict) -> dict
     if model.get("byte_fallback"):  # SentencePiece, as `tokenizer.build_tokenizer` builds it
         bytes_ = [vocab[f"<0x{byte:02X}>"] for byte in range(256) if f"<0x{byte:02X}>" in vocab]
         kinds[bytes_] = BYTE_TOKEN
+        unknown = vocab.get(model.get("unk_token"))
+        if unknown is not None and kinds[unknown] == NORMAL_TOKEN:  # not also a control token
+            kinds[unknown] = UNKNOWN_TOKEN  # llama.cpp refuses a vocabulary whose <unk> is normal
         metadata |= {
             "tokenizer.ggml.model": "llama",
             "tokenizer.ggml.pre": "default",

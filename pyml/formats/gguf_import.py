@@ -1,4 +1,4 @@
-"""Importing a llama or gemma3 GGUF as a Hugging Face model folder with its pyml spec.
+"""Importing a llama, qwen2, qwen3, phi3 or gemma3 GGUF as a Hugging Face model folder with its pyml spec.
 
 `import_gguf` writes model.safetensors (float32, Hugging Face tensor names and layout),
 source.gguf (a copy of the GGUF: `pyml generate` decodes on its quantized tensors as they are

@@ -3,7 +3,8 @@
 A model folder's config.json is Hugging Face's description of the model its spec.toml declares: a
 LlamaConfig for a spec whose block is Llama's (the decoder shorthand), a Qwen2Config for Llama's
 block with biases on the q, k and v projections only, a Qwen3Config for Llama's block with
-QK-norm (gains without a unit offset) and no biases, a Gemma3TextConfig for one whose block is
+QK-norm (gains without a unit offset) and no biases, a Phi3Config for Llama's block whose q, k, v
+and gate, up are stored as one tensor each (optionally partial RoPE and one window), a Gemma3TextConfig for one whose block is
 Gemma 3's (pre- and post-norms around attention and MLP). From the spec we derive the
 config fields it determines and compare them with the file's, field by field, so that a folder
 holding another model is refused with the fields that differ.
@@ -63,17 +64,23 @@ def common_fields(spec: DecoderModel, attention: Attention, mlp: MLP) -> dict[st
     }
 
 
-def not_describable(spec: DecoderModel, attention: Attention, mlp: MLP, gemma: bool) -> list[str]:
-    """What of the spec its family's config has no field for (gemma: Gemma 3, else Llama, Qwen2
-    or Qwen3)."""
+def not_describable(spec: DecoderModel, attention: Attention, mlp: MLP, gemma: bool,
+                    phi3: bool = False) -> list[str]:
+    """What of the spec its family's config has no field for (gemma: Gemma 3, phi3: Phi-3, else
+    Llama, Qwen2 or Qwen3)."""
     norms = [spec.final_norm, *block_layers(spec, RMSNorm)]
     norms += [attention.qk_norm] if attention.qk_norm else []
     types = [attention.type_of_layer(l) for l in range(spec.block.count)]
     problems = []
     if attention.rope is None:
         problems.append("attention without RoPE")
-    if attention.rotary_dims != attention.head_dim:
+    if attention.rotary_dims != attention.head_dim and not phi3:
         problems.append("RoPE on part of each head")
+    if attention.fused_qkv != phi3 or mlp.fused_gate_up != phi3:
+        problems.append("q, k, v and gate, up stored as one tensor each only in part"
+                        if phi3 else "q, k, v or gate, up stored as one tensor")
+    if phi3 and (attention.qkv_bias or attention.out_bias or mlp.bias or attention.qk_norm):
+        problems.append("biases or QK-norm in Phi-3's block")
     if attention.out_bias and not attention.qkv_bias:
         problems.append("bias on the attention's output projection alone")
     if attention.qkv_bias and not attention.out_bias and (gemma or mlp.bias):
@@ -85,8 +92,9 @@ def not_describable(spec: DecoderModel, attention: Attention, mlp: MLP, gemma: b
             problems.append("unit-offset norms")
         if attention.qk_norm is not None and (attention.qkv_bias or mlp.bias):
             problems.append("QK-norm with biases")
-        if attention.pattern is not None:
-            problems.append("attention pattern")
+        one_window = phi3 and len(attention.pattern or ()) == 1 and attention.pattern[0].rope_theta is None
+        if attention.pattern is not None and not one_window:
+            problems.append("attention pattern" + (" other than one window on every layer" if phi3 else ""))
         if attention.scale is not None:
             problems.append("attention scale")
         if spec.embedding.scale != 1.0:
@@ -114,9 +122,11 @@ def described_config(spec: DecoderModel) -> tuple[dict[str, object], list[str]]:
         return {"model_type": None}, ["a block that is neither Llama's nor Gemma 3's"]
     gemma = kinds == GEMMA3_BLOCK
     (attention,), (mlp,) = block_layers(spec, Attention), block_layers(spec, MLP)
+    phi3 = not gemma and attention.fused_qkv
     qwen2 = not gemma and attention.qkv_bias and not attention.out_bias
     qwen3 = not gemma and attention.qk_norm is not None
-    model_type = "gemma3_text" if gemma else "qwen3" if qwen3 else "qwen2" if qwen2 else "llama"
+    model_type = ("gemma3_text" if gemma else "phi3" if phi3 else "qwen3" if qwen3 else
+                  "qwen2" if qwen2 else "llama")
     fields = {"model_type": model_type} | common_fields(spec, attention, mlp)
     activation = HF_ACTIVATIONS[mlp.activation]
     if not gemma:
@@ -125,7 +135,11 @@ def described_config(spec: DecoderModel) -> tuple[dict[str, object], list[str]]:
             fields |= {"attention_bias": attention.qkv_bias, "mlp_bias": mlp.bias}
         elif qwen3:
             fields |= {"attention_bias": attention.qkv_bias}
-        return fields, not_describable(spec, attention, mlp, gemma)
+        elif phi3:
+            window = attention.type_of_layer(0).window
+            fields |= {"partial_rotary_factor": attention.rotary_dims / attention.head_dim,
+                       "sliding_window": window}
+        return fields, not_describable(spec, attention, mlp, gemma, phi3)
     types = [attention.type_of_layer(l) for l in range(spec.block.count)]
     sliding = [kind for kind in types if kind.window]
     full = [kind for kind in types if not kind.window]

@@ -27,8 +27,10 @@ from pyml.formats.gguf_read import GGUFFile
 
 # llama.cpp's token kinds (llama_token_type): control tokens like <|im_start|> are matched whole
 # and are "special" (skipped when decoding with skip_special_tokens); user-defined ones are
-# matched whole but decoded as text.
+# matched whole but decoded as text; the unknown token of a SentencePiece vocabulary (Llama 2's,
+# Mistral's <unk>) has a kind of its own.
 NORMAL_TOKEN = 1
+UNKNOWN_TOKEN = 2
 CONTROL_TOKEN = 3
 USER_DEFINED_TOKEN = 4
 SPACE_PIECE = "\u2581"  # SentencePiece's visible space, "▁"

@@ -162,6 +162,9 @@ class Attention(Strict):
     scale: PositiveFloat | None = None  # of the scores; None: 1 / sqrt(head_dim)
     qk_norm: HeadNorm | None = None
     pattern: list[AttentionType] | None = Field(default=None, min_length=1)
+    # q, k and v stored as one tensor, qkv_proj (rows q, then k, then v), as Phi-3's checkpoints
+    # hold them; its LoRA target is then "qkv"
+    fused_qkv: bool = False
 
     @model_validator(mode="after")
     def heads_fit(self) -> Attention:
@@ -215,6 +218,9 @@ class MLP(Strict):
     hidden: PositiveInt
     activation: Literal["swiglu", "geglu"] = "swiglu"
     bias: bool = False
+    # gate and up stored as one tensor, gate_up_proj (rows gate, then up), as Phi-3's checkpoints
+    # hold them; its LoRA target is then "gate_up"
+    fused_gate_up: bool = False
 
 
 class Residual(Strict):
@@ -282,7 +288,8 @@ SHORTHAND_LABELS = {"block.attn_residual": ["block.attn_norm", "block.attention"
                     "block.mlp_residual": ["block.mlp_norm", "block.mlp"]}
 
 
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# "qkv" and "gate_up": the projections stored as one tensor (`fused_qkv`, `fused_gate_up`)
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up")
 
 
 class LoRA(Strict):
@@ -292,7 +299,7 @@ class LoRA(Strict):
 
     rank: PositiveInt
     alpha: PositiveFloat = 8.0
-    targets: list[Literal["q", "k", "v", "o", "gate", "up", "down"]] = Field(
+    targets: list[Literal["q", "k", "v", "o", "gate", "up", "down", "qkv", "gate_up"]] = Field(
         default=["q", "v"], min_length=1)
 
     @model_validator(mode="after")

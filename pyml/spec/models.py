@@ -239,11 +239,13 @@ def projections(layer) -> list[tuple[str, int, int]]:
     """(LoRA target, fan in, fan out) of each projection a block layer holds."""
     if isinstance(layer, Attention):
         q_dim, kv_dim = layer.n_heads * layer.head_dim, layer.n_kv_heads * layer.head_dim
-        return [("q", layer.dim, q_dim), ("k", layer.dim, kv_dim), ("v", layer.dim, kv_dim),
-                ("o", q_dim, layer.dim)]
+        qkv = ([("qkv", layer.dim, q_dim + 2 * kv_dim)] if layer.fused_qkv else
+               [("q", layer.dim, q_dim), ("k", layer.dim, kv_dim), ("v", layer.dim, kv_dim)])
+        return [*qkv, ("o", q_dim, layer.dim)]
     if isinstance(layer, MLP):
-        return [("gate", layer.dim, layer.hidden), ("up", layer.dim, layer.hidden),
-                ("down", layer.hidden, layer.dim)]
+        gate_up = ([("gate_up", layer.dim, 2 * layer.hidden)] if layer.fused_gate_up else
+                   [("gate", layer.dim, layer.hidden), ("up", layer.dim, layer.hidden)])
+        return [*gate_up, ("down", layer.hidden, layer.dim)]
     return []
 
 

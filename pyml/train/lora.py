@@ -38,9 +38,10 @@ from pyml.outputs import atomic_write, check_destination, os_error, written_fold
 
 ADAPTER_MODEL_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # peft's wrapper (PeftModel.base_model.model) in tensor names
-# The spec's LoRA targets as the projections' module names in Hugging Face's Llama and Gemma 3.
+# The spec's LoRA targets as the projections' module names in Hugging Face's Llama, Gemma 3 and Phi-3.
 PEFT_MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
-                "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+                "gate": "gate_proj", "up": "up_proj", "down": "down_proj",
+                "qkv": "qkv_proj", "gate_up": "gate_up_proj"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 LORA_FLAGS = {"rank": "--lora-rank", "alpha": "--lora-alpha", "targets": "--lora-targets"}
 

@@ -118,3 +118,26 @@ def test_transformers_config_with_rope_scaling_describes_the_scaled_spec():
     assert config_mismatches(spec, legacy | {"rope_theta": 10000.0, "rope_scaling": hf}) == []
     assert config_mismatches(spec, legacy | {"rope_theta": 10000.0}) == [
         f"rope_scaling is None in config.json but {hf!r} in the spec"]
+
+
+def test_transformers_phi3_config_describes_llamas_block_with_fused_tensors():
+    from transformers import Phi3Config
+
+    spec = parse_spec(llama_spec(fused_qkv=True, rope={"theta": 10000.0, "dims": 2},
+                                 pattern=[{"window": 4}]) | {}, "phi3.toml")
+    spec = parse_spec(spec.model_dump(exclude_none=True) | {
+        "block": spec.block.model_dump(exclude_none=True) | {
+            "mlp": spec.block.mlp.model_dump() | {"fused_gate_up": True}}}, "phi3.toml")
+    saved = Phi3Config(vocab_size=11, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
+                       rms_norm_eps=1e-5, tie_word_embeddings=True, rope_theta=10000.0,
+                       partial_rotary_factor=0.5, sliding_window=4, pad_token_id=0, bos_token_id=1,
+                       eos_token_id=2, original_max_position_embeddings=16).to_dict()
+    assert config_mismatches(spec, saved) == []
+    assert config_mismatches(spec, saved | {"sliding_window": None}) == [
+        "sliding_window is None in config.json but 4 in the spec"]
+    assert config_mismatches(spec, llama_tiny_config()) == [
+        "model_type is 'llama' in config.json but the spec is 'phi3'"]
+    half_fused = parse_spec(llama_spec(fused_qkv=True), "odd.toml")
+    assert config_mismatches(half_fused, {"model_type": "phi3"}) == [
+        "config.json cannot describe the spec's q, k, v and gate, up stored as one tensor each only in part"]

@@ -67,6 +67,13 @@ GEMMA_TOKENS = GEMMA_SPECIAL + GEMMA_BYTES + GEMMA_USER_DEFINED + GEMMA_PIECES
 # scored best first; a space goes in front of the text (add_space_prefix), and their chat template.
 MISTRAL_SPECIAL = ["<unk>", "<s>", "</s>"]
 MISTRAL_TOKENS = MISTRAL_SPECIAL + GEMMA_BYTES + GEMMA_PIECES
+# Phi-3's: Mistral's kind, with its added control tokens after the pieces (<|endoftext|> its pad).
+PHI3_ADDED = ["<|endoftext|>", "<|assistant|>", "<|end|>", "<|user|>"]
+PHI3_TOKENS = MISTRAL_TOKENS + PHI3_ADDED
+PHI3_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + '<|end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
 MISTRAL_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
     "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
@@ -83,9 +90,18 @@ def llama_cpp_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def block_shapes(dims: dict[str, int], gemma: bool, qkv_bias: bool = False,
-                 qk_norm: bool = False) -> dict[str, tuple[int, ...]]:
+                 qk_norm: bool = False, phi3: bool = False) -> dict[str, tuple[int, ...]]:
     hidden, ffn = dims["hidden"], dims["ffn"]
     q_rows, kv_rows = dims["heads"] * dims["head_dim"], dims["kv_heads"] * dims["head_dim"]
+    if phi3:  # q, k, v in one tensor, gate and up in one (gate rows first)
+        return {
+            "attn_norm.weight": (hidden,),
+            "attn_qkv.weight": (q_rows + 2 * kv_rows, hidden),
+            "attn_output.weight": (hidden, q_rows),
+            "ffn_norm.weight": (hidden,),
+            "ffn_up.weight": (2 * ffn, hidden),
+            "ffn_down.weight": (hidden, ffn),
+        }
     shapes = {
         "attn_norm.weight": (hidden,),
         "attn_q.weight": (q_rows, hidden),
@@ -134,11 +150,16 @@ def converter_rope_factors(scaling: dict, head_dim: int, theta: float) -> np.nda
 
 def write_gguf(path: Path, architecture: str, dims: dict[str, int],
                rope_scaling: dict | None = None, sentencepiece: bool = False) -> None:
-    """A tiny GGUF of `architecture` (llama, qwen2, qwen3 or gemma3), every tensor float32; a
-    llama one with `rope_scaling` (Hugging Face's: rope_type "linear" or "llama3") stores it as
-    llama.cpp's converter does, and with `sentencepiece` Mistral's kind of vocabulary."""
+    """A tiny GGUF of `architecture` (llama, qwen2, qwen3, phi3 or gemma3), every tensor float32;
+    a llama one with `rope_scaling` (Hugging Face's: rope_type "linear" or "llama3") stores it as
+    llama.cpp's converter does, and with `sentencepiece` Mistral's kind of vocabulary (phi3's
+    always). A phi3 one has its own head (untied), RoPE on dims["rope_dims"] features of each head
+    (default all) and a window of dims["window"] positions (default 0: none)."""
     gemma, qwen2, qwen3 = architecture == "gemma3", architecture == "qwen2", architecture == "qwen3"
-    tokens = GEMMA_TOKENS if gemma else MISTRAL_TOKENS if sentencepiece else LLAMA_TOKENS
+    phi3 = architecture == "phi3"
+    sentencepiece = sentencepiece or phi3
+    tokens = (GEMMA_TOKENS if gemma else PHI3_TOKENS if phi3 else MISTRAL_TOKENS if sentencepiece
+              else LLAMA_TOKENS)
     writer = gguf.GGUFWriter(path, architecture)
     writer.add_context_length(64)
     writer.add_embedding_length(dims["hidden"])
@@ -173,23 +194,28 @@ def write_gguf(path: Path, architecture: str, dims: dict[str, int],
         writer.add_add_space_prefix(False)
     else:
         writer.add_vocab_size(len(tokens))
-        writer.add_rope_dimension_count(dims["head_dim"])
+        writer.add_rope_dimension_count(dims.get("rope_dims", dims["head_dim"]))
         writer.add_layer_norm_rms_eps(LLAMA_SPEC.final_norm.eps)
         writer.add_rope_freq_base(LLAMA_ATTENTION.rope.theta)
+    if phi3:
+        writer.add_rope_scaling_orig_ctx_len(64)
+        writer.add_sliding_window(dims.get("window", 0))
+        writer.add_pad_token_id(PHI3_TOKENS.index("<|endoftext|>"))
     if sentencepiece:
         writer.add_tokenizer_model("llama")
         writer.add_tokenizer_pre("default")
+        added = PHI3_ADDED if phi3 else []
         writer.add_token_scores([0.0] * (len(MISTRAL_SPECIAL) + len(GEMMA_BYTES))
-                                + [-float(i) for i in range(len(GEMMA_PIECES))])
+                                + [-float(i) for i in range(len(GEMMA_PIECES))] + [-1000.0] * len(added))
         writer.add_token_types([2] + [3] * (len(MISTRAL_SPECIAL) - 1) + [6] * len(GEMMA_BYTES)
-                               + [1] * len(GEMMA_PIECES))
+                               + [1] * len(GEMMA_PIECES) + [3] * len(added))
         writer.add_bos_token_id(1)
         writer.add_eos_token_id(2)
         writer.add_unk_token_id(0)
         writer.add_add_bos_token(True)
         writer.add_add_eos_token(False)
         writer.add_add_space_prefix(True)
-        writer.add_chat_template(MISTRAL_CHAT_TEMPLATE)
+        writer.add_chat_template(PHI3_CHAT_TEMPLATE if phi3 else MISTRAL_CHAT_TEMPLATE)
     elif not gemma:
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre("qwen2" if qwen2 or qwen3 else "smollm")
@@ -214,9 +240,12 @@ def write_gguf(path: Path, architecture: str, dims: dict[str, int],
         "token_embd.weight": (len(tokens), dims["hidden"]),
         "output_norm.weight": (dims["hidden"],),
     }
+    if phi3:
+        shapes["output.weight"] = (len(tokens), dims["hidden"])
     for layer in range(dims["layers"]):
         shapes |= {
-            f"blk.{layer}.{name}": shape for name, shape in block_shapes(dims, gemma, qwen2, qwen3).items()
+            f"blk.{layer}.{name}": shape
+            for name, shape in block_shapes(dims, gemma, qwen2, qwen3, phi3).items()
         }
     for name, shape in shapes.items():
         if name.endswith("norm.weight"):  # a gain (for Gemma: 1 + w, as the converter stores it)
