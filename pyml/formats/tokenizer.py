@@ -49,13 +49,22 @@ _GPT2_WORDS = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
 # tokenizer.json has it.
 _QWEN2_WORDS = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# "llama-bpe" (Llama 3's, and llama.cpp's "llama3"): Qwen2's regex with runs of up to three
+# digits, and a word that is a token of its own is that token, whatever the merges say (llama.cpp's
+# ignore_merges, which Llama 3's own tokenizer.json sets too).
+_LLAMA3_WORDS = _QWEN2_WORDS.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
 _PRE_TOKENIZERS = {
     "smollm": pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _GPT2_WORDS]),
     "qwen2": pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(_QWEN2_WORDS), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ]),
+    "llama-bpe": pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_LLAMA3_WORDS), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ]),
 }
+_IGNORE_MERGES = {"llama-bpe"}
 
 _SPECIAL_TOKEN_IDS = {
     "bos_token": "tokenizer.ggml.bos_token_id",
@@ -104,7 +113,8 @@ def _byte_level_bpe(gguf: GGUFFile) -> Tokenizer:
     vocab = _vocab(gguf, tokens)
     merges = _merges(gguf)
     try:
-        tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+                                  ignore_merges=pre in _IGNORE_MERGES))
     except Exception as error:  # tokenizers reports bad merges as a bare Exception
         raise PymlError(f"{gguf.path}: the BPE merges do not fit the vocabulary: {error}") from None
     tokenizer.pre_tokenizer = _PRE_TOKENIZERS[pre]

@@ -148,18 +148,24 @@ def converter_rope_factors(scaling: dict, head_dim: int, theta: float) -> np.nda
     return torch.tensor(factors, dtype=torch.float32).numpy()
 
 
+# Llama 3's kind ("llama-bpe"): the byte-level vocabulary with two tokens no merge makes, a word and
+# a run of three digits, which its pre-tokenizer's ignore_merges and \p{N}{1,3} reach whole.
+LLAMA3_TOKENS = LLAMA_TOKENS + ["Ġcapital", "123"]
+
+
 def write_gguf(path: Path, architecture: str, dims: dict[str, int],
-               rope_scaling: dict | None = None, sentencepiece: bool = False) -> None:
+               rope_scaling: dict | None = None, sentencepiece: bool = False,
+               pre: str | None = None) -> None:
     """A tiny GGUF of `architecture` (llama, qwen2, qwen3, phi3 or gemma3), every tensor float32;
     a llama one with `rope_scaling` (Hugging Face's: rope_type "linear" or "llama3") stores it as
-    llama.cpp's converter does, and with `sentencepiece` Mistral's kind of vocabulary (phi3's
-    always). A phi3 one has its own head (untied), RoPE on dims["rope_dims"] features of each head
+    llama.cpp's converter does, with `sentencepiece` Mistral's kind of vocabulary (phi3's always),
+    with `pre` another byte-level pre-tokenizer ("llama-bpe": LLAMA3_TOKENS). A phi3 one has its own head (untied), RoPE on dims["rope_dims"] features of each head
     (default all) and a window of dims["window"] positions (default 0: none)."""
     gemma, qwen2, qwen3 = architecture == "gemma3", architecture == "qwen2", architecture == "qwen3"
     phi3 = architecture == "phi3"
     sentencepiece = sentencepiece or phi3
     tokens = (GEMMA_TOKENS if gemma else PHI3_TOKENS if phi3 else MISTRAL_TOKENS if sentencepiece
-              else LLAMA_TOKENS)
+              else LLAMA3_TOKENS if pre == "llama-bpe" else LLAMA_TOKENS)
     writer = gguf.GGUFWriter(path, architecture)
     writer.add_context_length(64)
     writer.add_embedding_length(dims["hidden"])
@@ -218,7 +224,7 @@ def write_gguf(path: Path, architecture: str, dims: dict[str, int],
         writer.add_chat_template(PHI3_CHAT_TEMPLATE if phi3 else MISTRAL_CHAT_TEMPLATE)
     elif not gemma:
         writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("qwen2" if qwen2 or qwen3 else "smollm")
+        writer.add_tokenizer_pre(pre or ("qwen2" if qwen2 or qwen3 else "smollm"))
         writer.add_token_types([3] * len(LLAMA_SPECIAL) + [1] * (len(tokens) - len(LLAMA_SPECIAL)))
         writer.add_token_merges(LLAMA_MERGES)
         writer.add_bos_token_id(1)
