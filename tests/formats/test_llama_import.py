@@ -294,7 +294,8 @@ def wrong_shape(name: str, shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]
             {},
             r"missing tensors 'blk.0.attn_v.weight'",
         ),
-        (tiny_hf_shapes() | {"rope_freqs.weight": (32,)}, {}, r"'rope_freqs.weight' are not part"),
+        # Llama 3's RoPE factors, one per frequency: 8 for heads of 16
+        (tiny_hf_shapes() | {"rope_freqs.weight": (32,)}, {}, r"rope_freqs.weight is not 8 float32 values"),
         (tiny_hf_shapes(), {"vocab_size": 300}, "vocab size 300 differs from the 262 tokens"),
         (
             tiny_hf_shapes(),

@@ -164,3 +164,20 @@ def test_a_folder_trains_and_its_checkpoint_is_a_folder_of_its_family(qwen, tmp_
     assert result.evaluations[-1]["loss"] < result.evaluations[0]["loss"]
     assert json.loads((result.checkpoint / "config.json").read_text())["model_type"] == architecture
     assert load_model(result.checkpoint).forward(np.zeros((1, 4), np.int64)).shape == (1, 4, 96)
+
+
+def test_llama_cpp_runs_our_export_as_transformers(qwen, tmp_path):
+    """The check that our file means to llama.cpp what the folder means to transformers."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make bench-llamacpp)")
+    from transformers import AutoModelForCausalLM
+
+    architecture, _, folder = qwen
+    exported = export_gguf(folder, tmp_path / "out.gguf", "f32", progress=False)
+    runner = llama_cpp.Llama(str(exported), n_ctx=64, logits_all=True, verbose=False, n_threads=2,
+                             type_k=0, type_v=0, flash_attn=False)  # GGML_TYPE_F32 keys and values
+    ids = np.random.default_rng(5).integers(3, 96, 24).tolist()
+    runner.eval(ids)
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(np.array(runner.scores[:len(ids)]), expected, rtol=1e-4, atol=1e-4)
