@@ -127,6 +127,8 @@ def test_the_export_is_phi3s_gguf_that_imports_back(phi3, tmp_path):
     assert load_spec(back / "spec.toml").block == load_spec(folder / "spec.toml").block
 
 
+# decoding and training compile each spec's package anew: once, on the windowed model, suffices
+@pytest.mark.parametrize("phi3", ["windowed"], indirect=True)
 def test_greedy_tokens_on_the_stored_weights_equal_transformers(phi3):
     from pyml.generate import decoding as generation
 
@@ -146,6 +148,7 @@ def test_greedy_tokens_on_the_stored_weights_equal_transformers(phi3):
     assert len(theirs) == 10 or theirs[-1] == json.loads((folder / "config.json").read_text())["eos_token_id"]
 
 
+@pytest.mark.parametrize("phi3", ["windowed"], indirect=True)
 def test_a_folder_trains_full_and_with_lora_on_its_fused_projections(phi3, tmp_path):
     from pyml.train.run import train
     from tests.support.model_folders import tiny_text

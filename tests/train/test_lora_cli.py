@@ -231,7 +231,7 @@ def test_train_cli_names_an_unknown_lora_target_in_one_line(tiny_folders, tmp_pa
                   "--out", str(tmp_path / "run"), "--lora-rank", "2", "--lora-targets", "q,query")
     assert result.returncode == 2
     assert result.stderr == ("error: specs/llama_tiny.toml with --lora-rank 2: lora.targets[1]: "
-                             "Input should be 'q', 'k', 'v', 'o', 'gate', 'up' or 'down'\n")
+                             "Input should be 'q', 'k', 'v', 'o', 'gate', 'up', 'down', 'qkv' or 'gate_up'\n")
     assert not (tmp_path / "run").exists()
 
 
