@@ -4,8 +4,9 @@ A model folder's config.json is Hugging Face's description of the model its spec
 LlamaConfig for a spec whose block is Llama's (the decoder shorthand), a Qwen2Config for Llama's
 block with biases on the q, k and v projections only, a Qwen3Config for Llama's block with
 QK-norm (gains without a unit offset) and no biases, a Phi3Config for Llama's block whose q, k, v
-and gate, up are stored as one tensor each (optionally partial RoPE and one window), a Gemma3TextConfig for one whose block is
-Gemma 3's (pre- and post-norms around attention and MLP). From the spec we derive the
+and gate, up are stored as one tensor each (optionally partial RoPE and one window), a
+Gemma3TextConfig for one whose block is Gemma 3's (pre- and post-norms around attention and
+MLP). From the spec we derive the
 config fields it determines and compare them with the file's, field by field, so that a folder
 holding another model is refused with the fields that differ.
 """

@@ -141,6 +141,8 @@ def test_llama_cpp_runs_our_export_with_the_scaling_as_transformers(scaled, tmp_
     np.testing.assert_allclose(np.array(runner.scores[:len(ids)]), expected, rtol=1e-4, atol=1e-4)
 
 
+# decoding and training compile each spec's package anew: once, on the llama3-scaled model, suffices
+@pytest.mark.parametrize("scaled", ["llama3"], indirect=True)
 def test_greedy_tokens_on_the_stored_weights_equal_transformers(scaled):
     from transformers import AutoModelForCausalLM
 
@@ -158,6 +160,7 @@ def test_greedy_tokens_on_the_stored_weights_equal_transformers(scaled):
     assert ours == expected[0, len(ids):].tolist()
 
 
+@pytest.mark.parametrize("scaled", ["llama3"], indirect=True)
 def test_a_scaled_folder_trains_and_its_checkpoint_keeps_the_scaling(scaled, tmp_path):
     from pyml.train.run import train
     from tests.support.model_folders import tiny_text
