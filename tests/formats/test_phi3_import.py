@@ -26,6 +26,7 @@ from pyml.formats.safetensors_io import read_safetensors
 from pyml.generate.decoding import load_model, load_tokenizer
 from pyml.spec import load_spec
 from tests.support.hf_reference import compute_in_float64
+from tests.support.llama_cpp_reference import assert_llama_cpp_logits_equal_transformers
 from tests.support.model_folders import LLAMA, PHI3_TOKENS, write_gguf
 
 VOCAB = len(PHI3_TOKENS)
@@ -169,13 +170,6 @@ def test_a_folder_trains_full_and_with_lora_on_its_fused_projections(phi3, tmp_p
 
 
 def test_llama_cpp_runs_our_export_as_transformers_within_the_window(phi3, tmp_path):
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make bench-llamacpp)")
     _, _, folder = phi3
-    exported = export_gguf(folder, tmp_path / "out.gguf", "f32", progress=False)
-    runner = llama_cpp.Llama(str(exported), n_ctx=64, logits_all=True, verbose=False, n_threads=2,
-                             type_k=0, type_v=0, flash_attn=False)  # GGML_TYPE_F32 keys and values
     ids = np.random.default_rng(4).integers(3, VOCAB - 4, WINDOW).tolist()
-    runner.eval(ids)
-    with torch.no_grad():
-        expected = reference_model(folder)(torch.tensor([ids])).logits[0].numpy()
-    np.testing.assert_allclose(np.array(runner.scores[:len(ids)]), expected, rtol=1e-4, atol=1e-4)
+    assert_llama_cpp_logits_equal_transformers(folder, tmp_path, ids)

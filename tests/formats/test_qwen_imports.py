@@ -25,6 +25,7 @@ from pyml.formats.safetensors_io import read_safetensors
 from pyml.generate.decoding import load_model, load_tokenizer
 from pyml.spec import load_spec
 from tests.support.hf_reference import compute_in_float64
+from tests.support.llama_cpp_reference import assert_llama_cpp_logits_equal_transformers
 from tests.support.model_folders import LLAMA, QWEN3, write_gguf
 
 TEXT = "The capital of France is Paris, and 12 and 7 are 19.\n\nIn the spring, the rivers run high."
@@ -168,16 +169,5 @@ def test_a_folder_trains_and_its_checkpoint_is_a_folder_of_its_family(qwen, tmp_
 
 def test_llama_cpp_runs_our_export_as_transformers(qwen, tmp_path):
     """The check that our file means to llama.cpp what the folder means to transformers."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make bench-llamacpp)")
-    from transformers import AutoModelForCausalLM
-
-    architecture, _, folder = qwen
-    exported = export_gguf(folder, tmp_path / "out.gguf", "f32", progress=False)
-    runner = llama_cpp.Llama(str(exported), n_ctx=64, logits_all=True, verbose=False, n_threads=2,
-                             type_k=0, type_v=0, flash_attn=False)  # GGML_TYPE_F32 keys and values
-    ids = np.random.default_rng(5).integers(3, 96, 24).tolist()
-    runner.eval(ids)
-    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.no_grad():
-        expected = reference(torch.tensor([ids])).logits[0].numpy()
-    np.testing.assert_allclose(np.array(runner.scores[:len(ids)]), expected, rtol=1e-4, atol=1e-4)
+    _, _, folder = qwen
+    assert_llama_cpp_logits_equal_transformers(folder, tmp_path, np.random.default_rng(5).integers(3, 96, 24).tolist())

@@ -28,6 +28,7 @@ from pyml.generate.decoding import load_model, load_tokenizer
 from pyml.package.cpu.rope import scaled_frequencies
 from pyml.spec import load_spec
 from tests.support.hf_reference import compute_in_float64
+from tests.support.llama_cpp_reference import assert_llama_cpp_logits_equal_transformers
 from tests.support.model_folders import LLAMA, converter_rope_factors, write_gguf
 
 # heads of 32 (16 frequencies), so that two fall between Llama 3's bands, as in every Llama 3
@@ -124,21 +125,10 @@ def test_the_export_stores_the_scaling_as_llama_cpp_and_imports_back(scaled, tmp
 
 
 def test_llama_cpp_runs_our_export_with_the_scaling_as_transformers(scaled, tmp_path):
-    """The check that our file means to llama.cpp what the folder means to transformers: its
-    logits for 40 positions, float32 KV cache, against LlamaForCausalLM's on the folder."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make bench-llamacpp)")
-    from transformers import AutoModelForCausalLM
-
+    """llama.cpp's logits on our export for 40 positions, past every band's edge, against
+    LlamaForCausalLM's on the folder."""
     _, _, folder = scaled
-    exported = export_gguf(folder, tmp_path / "out.gguf", "f32", progress=False)
-    runner = llama_cpp.Llama(str(exported), n_ctx=64, logits_all=True, verbose=False, n_threads=2,
-                             type_k=0, type_v=0, flash_attn=False)  # GGML_TYPE_F32 keys and values
-    ids = np.random.default_rng(4).integers(3, 96, 40).tolist()
-    runner.eval(ids)
-    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    with torch.no_grad():
-        expected = reference(torch.tensor([ids])).logits[0].numpy()
-    np.testing.assert_allclose(np.array(runner.scores[:len(ids)]), expected, rtol=1e-4, atol=1e-4)
+    assert_llama_cpp_logits_equal_transformers(folder, tmp_path, np.random.default_rng(4).integers(3, 96, 40).tolist())
 
 
 # decoding and training compile each spec's package anew: once, on the llama3-scaled model, suffices

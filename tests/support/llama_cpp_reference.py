@@ -1,0 +1,31 @@
+"""llama.cpp, through llama-cpp-python where it is installed (`make bench-llamacpp` builds it), as
+the reference for what our GGUF exports mean to llama.cpp: the check that neither transformers
+nor our own importer can make."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pyml.formats.gguf_export import export_gguf
+
+
+def llama_cpp_or_skip():
+    return pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make bench-llamacpp)")
+
+
+def assert_llama_cpp_logits_equal_transformers(folder: Path, tmp_path: Path, ids: list[int]) -> None:
+    """llama.cpp running our f32 export of `folder` gives transformers' logits on the folder for
+    `ids`, with a float32 KV cache (its default float16 cache alone differs by about 1e-3)."""
+    llama_cpp = llama_cpp_or_skip()
+    from transformers import AutoModelForCausalLM
+
+    exported = export_gguf(folder, tmp_path / "out.gguf", "f32", progress=False)
+    runner = llama_cpp.Llama(str(exported), n_ctx=64, logits_all=True, verbose=False, n_threads=2,
+                             type_k=0, type_v=0, flash_attn=False)  # GGML_TYPE_F32 keys and values
+    runner.eval(ids)
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(np.array(runner.scores[:len(ids)]), expected, rtol=1e-4, atol=1e-4)
