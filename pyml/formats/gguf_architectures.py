@@ -40,6 +40,9 @@ SUPPORTED = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
 # Llama 3's RoPE scaling as llama.cpp stores it: the factor that divides each frequency.
 ROPE_FACTORS = "rope_freqs.weight"
 
+# Phi-3's LongRoPE as llama.cpp stores it: each set of per-frequency factors as a tensor.
+LONGROPE_FACTORS = {"short_factor": "rope_factors_short.weight", "long_factor": "rope_factors_long.weight"}
+
 # GGUF -> Hugging Face names of the tensors outside the blocks, for both architectures.
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -440,16 +443,22 @@ class Phi3(Llama):
     }
 
     def read_dims(self, meta: Metadata, gguf: GGUFFile) -> Phi3Dims:
-        for factors in ("rope_factors_long.weight", "rope_factors_short.weight"):
-            if factors in gguf.tensors:
-                raise meta.fail(f"LongRoPE scaling ({factors}: Phi-3 128k, Phi-3.5) is not supported")
         window = gguf.metadata.get(meta.prefix + "attention.sliding_window", 0)
         if type(window) is not int or window < 0:
             raise meta.fail(f"{meta.prefix}attention.sliding_window is {window!r}, not a count of positions")
         common = self.common_dims(meta, gguf)
-        return Phi3Dims(**common, sliding_window=window,
-                        original_context_length=meta.integer("rope.scaling.original_context_length",
-                                                             common["context_length"]))
+        original = meta.integer("rope.scaling.original_context_length", common["context_length"])
+        longrope = longrope_scaling_of(gguf, meta, common["rope_dims"], common["context_length"], original)
+        if longrope is not None:
+            common["rope_scaling"] = longrope
+        return Phi3Dims(**common, sliding_window=window, original_context_length=original)
+
+    def derived_tensors(self) -> dict[str, np.ndarray]:
+        """LongRoPE's factors (Phi-3 128k, Phi-3.5), which llama.cpp reads from the file."""
+        scaling = self.dims.rope_scaling
+        if scaling is None or scaling["type"] != "longrope":
+            return {}
+        return {LONGROPE_FACTORS[key]: np.array(scaling[key], np.float32) for key in LONGROPE_FACTORS}
 
     def block_shapes(self) -> dict[str, tuple[int, ...]]:
         dims = self.dims
@@ -722,3 +731,36 @@ def llama3_scaling_of(factors: np.ndarray, head_dim: int, theta: float, meta: Me
             return scaling
     raise meta.fail(f"{ROPE_FACTORS} is not Llama 3's RoPE scaling (no factor, band and "
                     "original context length give its factors)")
+
+
+def longrope_default_attention_factor(context: int, original: int) -> float:
+    """LongRoPE's attention factor for a model of `context` positions trained on `original`, as
+    transformers' _compute_longrope_parameters and llama.cpp's converter compute it."""
+    scale = context / original
+    return math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+
+
+def longrope_scaling_of(gguf: GGUFFile, meta: Metadata, rope_dims: int, context: int,
+                        original: int) -> dict | None:
+    """The spec's LongRoPE scaling of a phi3 file holding rope_factors_long and
+    rope_factors_short (llama.cpp's converter writes both, with rope.scaling.attn_factor), or None
+    where it holds neither."""
+    found = {key: gguf.tensors.get(name) for key, name in LONGROPE_FACTORS.items()}
+    if all(tensor is None for tensor in found.values()):
+        return None
+    scaling: dict[str, object] = {"type": "longrope"}
+    for key, tensor in found.items():
+        name = LONGROPE_FACTORS[key]
+        if tensor is None:
+            raise meta.fail(f"{name} is missing beside the other LongRoPE factors")
+        if tensor.ggml_type != GGMLType.F32 or tensor.shape != (rope_dims // 2,):
+            raise meta.fail(f"{name} is not {rope_dims // 2} float32 values (one per rotated frequency)")
+        factors = tensor.data.view(np.float32)
+        if not np.all(np.isfinite(factors)) or np.any(factors <= 0):
+            raise meta.fail(f"{name} holds factors that are not positive numbers")
+        # the shortest decimals that read back as the stored float32 values, as Metadata.real
+        scaling[key] = [float(str(value)) for value in factors]
+    default = float(str(np.float32(longrope_default_attention_factor(context, original))))
+    scaling["original_max_position_embeddings"] = original
+    scaling["attention_factor"] = meta.real("rope.scaling.attn_factor", default)
+    return scaling

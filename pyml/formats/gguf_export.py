@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 from pyml.errors import PymlError
 from pyml.formats.gguf_architectures import (
+    LONGROPE_FACTORS,
     ROPE_FACTORS,
     Llama,
     architecture_of,
@@ -188,13 +189,23 @@ def architecture_metadata(model_dir: Path, config: dict) -> dict[str, object]:
     if isinstance(scaling, dict) and scaling.get("rope_type") == "linear":
         metadata[f"{name}.rope.scaling.type"] = "linear"
         metadata[f"{name}.rope.scaling.factor"] = float(np.float32(scaling.get("factor")))
+    if name == "phi3" and isinstance(scaling, dict) and scaling.get("rope_type") == "longrope":
+        factor = scaling.get("attention_factor")
+        if not isinstance(factor, float) or not factor > 0:
+            raise PymlError(f"{model_dir / 'config.json'}: rope_scaling's attention_factor must be a "
+                            f"positive number, not {factor!r}")
+        metadata["phi3.rope.scaling.attn_factor"] = float(np.float32(factor))
     return metadata
 
 
 def rope_factor_tensors(model_dir: Path, config: dict) -> dict[str, GGUFTensor]:
-    """rope_freqs.weight, as llama.cpp's converter computes it, for config.json's Llama 3 RoPE
-    scaling (none for any other): the tensor the importer reads that scaling from."""
+    """The tensors the importer reads config.json's RoPE scaling from, as llama.cpp's converter
+    computes them: rope_freqs.weight for Llama 3's, rope_factors_short and rope_factors_long for
+    LongRoPE's (none for any other)."""
     scaling = config.get("rope_scaling")
+    if isinstance(scaling, dict) and scaling.get("rope_type") == "longrope":
+        return {name: float32_tensor(name, scaling.get(key), model_dir)
+                for key, name in LONGROPE_FACTORS.items()}
     if not isinstance(scaling, dict) or scaling.get("rope_type") != "llama3":
         return {}
     keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -208,6 +219,16 @@ def rope_factor_tensors(model_dir: Path, config: dict) -> dict[str, GGUFTensor]:
     factors = llama3_rope_factors({key: scaling[key] for key in keys}, head_dim,
                                   float(np.float32(theta)))
     return {ROPE_FACTORS: GGUFTensor(ROPE_FACTORS, GGMLType.F32, factors.shape, factors.view(np.uint8))}
+
+
+def float32_tensor(name: str, values, model_dir: Path) -> GGUFTensor:
+    """A float32 tensor of config.json's list `values` (LongRoPE's factors)."""
+    if not isinstance(values, list) or not all(
+            isinstance(value, (int, float)) and not isinstance(value, bool) for value in values):
+        raise PymlError(f"{model_dir / 'config.json'}: rope_scaling's factors for {name} must be a "
+                        "list of numbers")
+    array = np.array(values, np.float32)
+    return GGUFTensor(name, GGMLType.F32, array.shape, array.view(np.uint8))
 
 
 def tokenizer_metadata(model_dir: Path, described: dict, settings: dict) -> dict[str, object]:

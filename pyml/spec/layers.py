@@ -120,6 +120,22 @@ class Llama3Scaling(Strict):
         return self
 
 
+class LongRoPEScaling(Strict):
+    """Phi-3's LongRoPE (transformers' rope_type "longrope"): frequency i divided by a factor of
+    its own, `long_factor[i]` for a model built for more positions than
+    original_max_position_embeddings (max_seq_len beyond it), `short_factor[i]` otherwise, and
+    cos and sin multiplied by `attention_factor`. The factors are chosen once for the model, as
+    llama.cpp chooses them by the context it is created with; transformers chooses per call, by
+    the length of the sequence it runs, which is the same for every sequence when max_seq_len is
+    at most original_max_position_embeddings, and for every sequence longer than it otherwise."""
+
+    type: Literal["longrope"] = "longrope"
+    short_factor: list[PositiveFloat] = Field(min_length=1)
+    long_factor: list[PositiveFloat] = Field(min_length=1)
+    original_max_position_embeddings: PositiveInt
+    attention_factor: PositiveFloat
+
+
 class RoPE(Strict):
     """Rotary position embedding on query and key heads (the half-split form Llama uses), its
     frequencies theta ** (-2i / dims), scaled as `scaling` says. `dims` rotates only the first
@@ -127,7 +143,8 @@ class RoPE(Strict):
 
     theta: PositiveFloat = 10000.0
     dims: PositiveInt | None = None
-    scaling: Annotated[LinearScaling | Llama3Scaling, Field(discriminator="type")] | None = None
+    scaling: Annotated[LinearScaling | Llama3Scaling | LongRoPEScaling,
+                       Field(discriminator="type")] | None = None
 
 
 class HeadNorm(Strict):
@@ -183,6 +200,14 @@ class Attention(Strict):
             raise ValueError(
                 f"attention: rope.dims must be an even number of features of a head of "
                 f"{self.head_dim}, got {self.rope.dims}"
+            )
+        scaling = self.rope.scaling if self.rope is not None else None
+        if isinstance(scaling, LongRoPEScaling) and not (
+                len(scaling.short_factor) == len(scaling.long_factor) == self.rotary_dims // 2):
+            raise ValueError(
+                f"attention: rope scaling's short_factor and long_factor must each have one factor "
+                f"per rotated frequency ({self.rotary_dims // 2}), got {len(scaling.short_factor)} "
+                f"and {len(scaling.long_factor)}"
             )
         if self.rope is None and any(kind.rope_theta is not None for kind in self.pattern or ()):
             raise ValueError("attention: a pattern entry sets rope_theta but the attention has no rope")

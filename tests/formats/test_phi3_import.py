@@ -3,7 +3,9 @@
 Each GGUF is written as llama.cpp's converter (conversion/phi.py) writes one: q, k and v in one
 tensor and gate and up in one, rope.dimension_count for a partial rotary, the window in
 attention.sliding_window (0: none), a SentencePiece vocabulary. Two variants: full rotary with a
-window of 8, and RoPE on half of each head with no window. References: transformers'
+window of 8, RoPE on half of each head with no window, and LongRoPE (Phi-3 128k's and Phi-3.5's
+scaling: rope_factors_short and rope_factors_long, an attention factor, a model of 64 positions
+trained on 16, so its long factors apply). References: transformers'
 Phi3ForCausalLM on our folder (float32 logits, float64 loss and every gradient, greedy tokens),
 transformers' GGUF loader for the tensors (it takes neither rope.dimension_count nor the window
 from a phi3 file, so its logits are compared only where those do not matter), and llama.cpp
@@ -19,12 +21,15 @@ import numpy as np
 import pytest
 import torch
 
+from pyml.errors import PymlError
+from pyml.formats.gguf_architectures import architecture_of
 from pyml.formats.gguf_export import export_gguf
 from pyml.formats.gguf_import import import_gguf
-from pyml.formats.gguf_read import read_gguf
+from pyml.formats.gguf_read import GGUFFile, GGUFTensor, read_gguf
 from pyml.formats.safetensors_io import read_safetensors
 from pyml.generate.decoding import load_model, load_tokenizer
 from pyml.spec import load_spec
+from pyml.spec.layers import Attention
 from tests.support.hf_reference import compute_in_float64
 from tests.support.llama_cpp_reference import assert_llama_cpp_logits_equal_transformers
 from tests.support.model_folders import LLAMA, PHI3_TOKENS, write_gguf
@@ -33,7 +38,11 @@ VOCAB = len(PHI3_TOKENS)
 # inputs are drawn from ids 3 to 298: the last four are control tokens, <|endoftext|> the pad id,
 # whose embedding row transformers never trains
 WINDOW = 8
-VARIANTS = {"windowed": LLAMA | {"window": WINDOW}, "partial-rotary": LLAMA | {"rope_dims": 4}}
+VARIANTS = {"windowed": LLAMA | {"window": WINDOW}, "partial-rotary": LLAMA | {"rope_dims": 4},
+            "longrope": LLAMA}
+ORIGINAL = 16  # the longrope model's original context: its sequences here are longer
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.03, 1.1, 1.3],
+            "long_factor": [1.0, 2.5, 6.0, 16.0], "original_max_position_embeddings": ORIGINAL}
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -41,7 +50,8 @@ def phi3(request, tmp_path_factory):
     """(the variant, the GGUF, the folder `pyml import-gguf` made of it)."""
     root = tmp_path_factory.mktemp(f"phi3-{request.param}")
     gguf_path = root / "tiny-phi3.gguf"
-    write_gguf(gguf_path, "phi3", VARIANTS[request.param])
+    write_gguf(gguf_path, "phi3", VARIANTS[request.param],
+               LONGROPE if request.param == "longrope" else None)
     return request.param, gguf_path, import_gguf(gguf_path, root / "tiny-phi3", progress=False)
 
 
@@ -61,6 +71,14 @@ def test_the_folder_is_phi3s_model(phi3):
     attention = spec.block.attention
     assert attention.fused_qkv and spec.block.mlp.fused_gate_up and not spec.lm_head.tied
     assert attention.rotary_dims == (4 if variant == "partial-rotary" else 8)
+    if variant == "longrope":  # the converter's attention factor, sqrt(1 + ln(64/16) / ln 16)
+        scaling = {key: value for key, value in LONGROPE.items() if key != "rope_type"}
+        scaling["attention_factor"] = float(str(np.float32(1.5**0.5)))
+        assert attention.rope.scaling.model_dump() == {"type": "longrope"} | scaling
+        assert config["rope_scaling"] == LONGROPE | {"attention_factor": scaling["attention_factor"]}
+        assert config["original_max_position_embeddings"] == ORIGINAL
+    else:
+        assert attention.rope.scaling is None and "rope_scaling" not in config
     tensors = read_safetensors(folder / "model.safetensors")
     assert tensors["model.layers.0.self_attn.qkv_proj.weight"].shape == ((4 + 2 * 2) * 8, 32)
     assert tensors["model.layers.1.mlp.gate_up_proj.weight"].shape == (2 * 64, 32)
@@ -86,7 +104,7 @@ def test_tensors_equal_transformers_reading_the_gguf(phi3):
 def test_logits_equal_phi3_for_causal_lm_past_the_window(phi3):
     _, _, folder = phi3
     reference = reference_model(folder)
-    ids = np.random.default_rng(1).integers(3, VOCAB - 4, (2, 3 * WINDOW))
+    ids = np.random.default_rng(1).integers(3, VOCAB - 4, (2, 3 * WINDOW))  # past ORIGINAL too
     with torch.no_grad():
         expected = reference(torch.tensor(ids)).logits.numpy()
     np.testing.assert_allclose(load_model(folder).forward(ids), expected, rtol=1e-4, atol=1e-5)
@@ -98,10 +116,12 @@ def test_loss_and_every_gradient_equal_transformers_in_float64(phi3, monkeypatch
     _, _, folder = phi3
     config = json.loads((folder / "config.json").read_text())
     rotary = round(config["partial_rotary_factor"] * config["head_dim"])
-    compute_in_float64(monkeypatch, rotary, config["rope_theta"], modeling_phi3, "Phi3")
+    scaling = load_spec(folder / "spec.toml").block.attention.rope.scaling
+    compute_in_float64(monkeypatch, rotary, config["rope_theta"], modeling_phi3, "Phi3",
+                       scaling and scaling.model_dump())
     reference = reference_model(folder, torch.float64).train()
     model = load_model(folder, dtype=np.float64)
-    ids = np.random.default_rng(2).integers(3, VOCAB - 4, (2, 2 * WINDOW + 1))
+    ids = np.random.default_rng(2).integers(3, VOCAB - 4, (2, 3 * WINDOW + 1))  # past ORIGINAL
     loss = model.loss_and_grads(ids[:, :-1], ids[:, 1:])
     logits = reference(torch.tensor(ids[:, :-1])).logits
     expected = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), torch.tensor(ids[:, 1:]).reshape(-1))
@@ -113,12 +133,13 @@ def test_loss_and_every_gradient_equal_transformers_in_float64(phi3, monkeypatch
 
 
 def test_the_export_is_phi3s_gguf_that_imports_back(phi3, tmp_path):
-    _, gguf_path, folder = phi3
+    variant, gguf_path, folder = phi3
     exported = export_gguf(folder, tmp_path / "out.gguf", "f32", progress=False)
     ours, source = read_gguf(exported), read_gguf(gguf_path)
     assert ours.metadata["general.architecture"] == "phi3"
-    for key in ("phi3.rope.dimension_count", "phi3.attention.sliding_window",
-                "phi3.rope.scaling.original_context_length"):
+    keys = ["phi3.rope.dimension_count", "phi3.attention.sliding_window",
+            "phi3.rope.scaling.original_context_length"]
+    for key in keys + ["phi3.rope.scaling.attn_factor"] * (variant == "longrope"):
         assert ours.metadata[key] == source.metadata[key], key
     assert ours.tensors.keys() == source.tensors.keys()
     for name, tensor in ours.tensors.items():
@@ -170,6 +191,35 @@ def test_a_folder_trains_full_and_with_lora_on_its_fused_projections(phi3, tmp_p
 
 
 def test_llama_cpp_runs_our_export_as_transformers_within_the_window(phi3, tmp_path):
-    _, _, folder = phi3
-    ids = np.random.default_rng(4).integers(3, VOCAB - 4, WINDOW).tolist()
+    variant, _, folder = phi3
+    # llama.cpp takes LongRoPE's long factors for its context of 64, transformers past ORIGINAL
+    length = 3 * WINDOW if variant == "longrope" else WINDOW
+    ids = np.random.default_rng(4).integers(3, VOCAB - 4, length).tolist()
     assert_llama_cpp_logits_equal_transformers(folder, tmp_path, ids)
+
+
+def bad_factors(tensors: dict) -> dict:
+    short = tensors["rope_factors_short.weight"]
+    return tensors | {"rope_factors_short.weight": GGUFTensor(
+        short.name, short.ggml_type, (3,), np.array([1.0, 1.0, -1.0], np.float32).view(np.uint8))}
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t: {n: v for n, v in t.items() if n != "rope_factors_long.weight"},
+     "rope_factors_long.weight is missing beside the other LongRoPE factors"),
+    (bad_factors, r"rope_factors_short.weight is not 4 float32 values \(one per rotated frequency\)"),
+])
+@pytest.mark.parametrize("phi3", ["longrope"], indirect=True)
+def test_longrope_factors_that_do_not_fit_are_refused_in_one_line(phi3, change, message):
+    _, gguf_path, _ = phi3
+    source = read_gguf(gguf_path)
+    with pytest.raises(PymlError, match=message):
+        architecture_of(GGUFFile(path=gguf_path, version=3, metadata=source.metadata,
+                                 tensors=change(source.tensors)))
+
+
+def test_a_spec_with_a_factor_per_frequency_too_few_is_refused():
+    scaling = {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0, 2.0],
+               "original_max_position_embeddings": 16, "attention_factor": 1.0}
+    with pytest.raises(ValueError, match=r"one factor per rotated frequency \(4\), got 1 and 2"):
+        Attention(dim=32, n_heads=4, n_kv_heads=2, head_dim=8, rope={"scaling": scaling})

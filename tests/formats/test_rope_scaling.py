@@ -207,3 +207,38 @@ def test_a_scaling_pyml_lacks_is_refused_in_one_line(tmp_path):
     metadata = source.metadata | {"llama.rope.scaling.type": "yarn"}
     with pytest.raises(PymlError, match=r"rope scaling is not supported \(llama.rope.scaling.type is 'yarn'\)"):
         architecture_of(described(metadata, source.tensors))
+
+
+# LongRoPE factors of Phi-3.5 mini's kind (short ones near 1, long ones up to about 48), written as
+# its config.json writes them: float32 values in full
+PHI35_SHORT = [1.0, 1.0199999809265137, 1.0299999713897705, 1.0299999713897705,
+               1.0799999237060547, 1.0799999237060547, 1.0799999237060547, 1.0799999237060547]
+PHI35_LONG = [1.0800000429153442, 1.1100000143051147, 1.1399999856948853, 1.340000033378601,
+              47.77000045776367, 48.0099983215332, 48.0099983215332, 48.770000457763672]
+
+
+@pytest.mark.parametrize("max_seq_len", [16, 17, 64], ids=["short", "just-past", "long"])
+def test_longrope_tables_equal_phi3_rotary_embedding_over_as_many_positions(max_seq_len):
+    """transformers chooses LongRoPE's factors by the length of the sequence it runs, pyml by the
+    model's max_seq_len: a model of L positions has the tables transformers computes for a
+    sequence of L positions, short factors up to the original context (16 here), long beyond."""
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    from pyml.package.cpu.rope import rope_tables
+
+    head_dim, theta = 2 * len(PHI35_SHORT), 10000.0
+    scaling = {"rope_type": "longrope", "short_factor": PHI35_SHORT, "long_factor": PHI35_LONG}
+    config = Phi3Config(hidden_size=head_dim * 2, num_attention_heads=2, max_position_embeddings=64,
+                        original_max_position_embeddings=16, rope_scaling=scaling | {"rope_theta": theta})
+    with torch.no_grad():
+        expected_cos, expected_sin = Phi3RotaryEmbedding(config)(
+            torch.zeros(1, dtype=torch.float32), torch.arange(max_seq_len)[None])
+    attention_factor = float(np.float32((1 + np.log(4) / np.log(16)) ** 0.5))  # transformers' default
+    cos = np.zeros((max_seq_len, head_dim // 2), np.float32)
+    sin = np.zeros_like(cos)
+    rope_tables(cos, sin, theta, {"type": "longrope", "short_factor": PHI35_SHORT, "long_factor": PHI35_LONG,
+                                  "original_max_position_embeddings": 16,
+                                  "attention_factor": attention_factor})
+    np.testing.assert_allclose(cos, expected_cos[0, :, : head_dim // 2].numpy(), rtol=0, atol=3e-7)
+    np.testing.assert_allclose(sin, expected_sin[0, :, : head_dim // 2].numpy(), rtol=0, atol=3e-7)

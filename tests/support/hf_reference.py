@@ -25,12 +25,20 @@ def compute_in_float64(monkeypatch, head_dim: int, theta: float, modeling=modeli
 
     def rotary_in_float64(self, x, position_ids):
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float64) / head_dim
-        inv_freq = 1.0 / theta**exponents
-        if scaling is not None:
-            inv_freq = scaled_in_float64(inv_freq, scaling)
+        attention_factor = 1.0
+        if scaling is not None and scaling["type"] == "longrope":
+            # transformers' choice: the long factors for a sequence longer than the original context
+            long = int(position_ids.max()) + 1 > scaling["original_max_position_embeddings"]
+            factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float64)
+            inv_freq = 1.0 / (factors * theta**exponents)
+            attention_factor = scaling["attention_factor"]
+        else:
+            inv_freq = 1.0 / theta**exponents
+            if scaling is not None:
+                inv_freq = scaled_in_float64(inv_freq, scaling)
         freqs = position_ids[..., None].to(torch.float64) * inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        return (angles.cos() * attention_factor).to(x.dtype), (angles.sin() * attention_factor).to(x.dtype)
 
     monkeypatch.setattr(getattr(modeling, f"{prefix}RMSNorm"), "forward", rms_norm_in_input_dtype)
     monkeypatch.setattr(getattr(modeling, f"{prefix}RotaryEmbedding"), "forward", rotary_in_float64)

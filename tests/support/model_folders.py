@@ -10,6 +10,7 @@ llama one with biases on its q, k and v projections, Q and K rows as Hugging Fac
 biases but QK-norm gains, and heads of 128 (QWEN3).
 """
 
+import math
 from pathlib import Path
 
 import gguf
@@ -128,8 +129,6 @@ def block_shapes(dims: dict[str, int], gemma: bool, qkv_bias: bool = False,
 def converter_rope_factors(scaling: dict, head_dim: int, theta: float) -> np.ndarray:
     """rope_freqs.weight as llama.cpp's convert_hf_to_gguf.py computes it for a Hugging Face
     `rope_scaling` of rope_type "llama3" (LlamaModel.generate_extra_tensors), in torch."""
-    import math
-
     import torch
 
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
@@ -157,10 +156,12 @@ def write_gguf(path: Path, architecture: str, dims: dict[str, int],
                rope_scaling: dict | None = None, sentencepiece: bool = False,
                pre: str | None = None) -> None:
     """A tiny GGUF of `architecture` (llama, qwen2, qwen3, phi3 or gemma3), every tensor float32;
-    a llama one with `rope_scaling` (Hugging Face's: rope_type "linear" or "llama3") stores it as
-    llama.cpp's converter does, with `sentencepiece` Mistral's kind of vocabulary (phi3's always),
-    with `pre` another byte-level pre-tokenizer ("llama-bpe": LLAMA3_TOKENS). A phi3 one has its own head (untied), RoPE on dims["rope_dims"] features of each head
-    (default all) and a window of dims["window"] positions (default 0: none)."""
+    a llama one with `rope_scaling` (Hugging Face's: rope_type "linear" or "llama3"; a phi3 one:
+    "longrope") stores it as llama.cpp's converter does, with `sentencepiece` Mistral's kind of
+    vocabulary (phi3's always), with `pre` another byte-level pre-tokenizer ("llama-bpe":
+    LLAMA3_TOKENS). A phi3 one has its own head (untied), RoPE on dims["rope_dims"] features of
+    each head (default all) and a window of dims["window"] positions (default 0: none). Every
+    model is of 64 positions."""
     gemma, qwen2, qwen3 = architecture == "gemma3", architecture == "qwen2", architecture == "qwen3"
     phi3 = architecture == "phi3"
     sentencepiece = sentencepiece or phi3
@@ -204,7 +205,8 @@ def write_gguf(path: Path, architecture: str, dims: dict[str, int],
         writer.add_layer_norm_rms_eps(LLAMA_SPEC.final_norm.eps)
         writer.add_rope_freq_base(LLAMA_ATTENTION.rope.theta)
     if phi3:
-        writer.add_rope_scaling_orig_ctx_len(64)
+        writer.add_rope_scaling_orig_ctx_len(rope_scaling["original_max_position_embeddings"]
+                                             if rope_scaling else 64)
         writer.add_sliding_window(dims.get("window", 0))
         writer.add_pad_token_id(PHI3_TOKENS.index("<|endoftext|>"))
     if sentencepiece:
@@ -234,7 +236,13 @@ def write_gguf(path: Path, architecture: str, dims: dict[str, int],
         writer.add_add_bos_token(False)
         writer.add_add_space_prefix(False)
         writer.add_chat_template(LLAMA_CHAT_TEMPLATE)
-    if rope_scaling and rope_scaling["rope_type"] == "linear":
+    if rope_scaling and rope_scaling["rope_type"] == "longrope":  # Phi3MiniModel's way
+        scale = 64 / rope_scaling["original_max_position_embeddings"]
+        writer.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(rope_scaling["original_max_position_embeddings"])))
+        writer.add_tensor("rope_factors_long.weight", np.array(rope_scaling["long_factor"], np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope_scaling["short_factor"], np.float32))
+    elif rope_scaling and rope_scaling["rope_type"] == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope_scaling["factor"])
     elif rope_scaling:

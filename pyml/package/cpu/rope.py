@@ -20,20 +20,36 @@ def rope_tables(cos, sin, theta, scaling=None):
     real = cos.dtype.type
     exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(real) / real(head_dim)
     if real is np.float64:
-        inv_freq = 1.0 / theta**exponents
+        powers = theta**exponents
     else:
-        inv_freq = real(1.0) / (theta ** exponents.astype(np.float64)).astype(real)
-    inv_freq = scaled_frequencies(inv_freq, scaling)
+        powers = (theta ** exponents.astype(np.float64)).astype(real)
+    if scaling is not None and scaling["type"] == "longrope":
+        inv_freq = real(1.0) / (longrope_factors(scaling, max_seq_len).astype(real) * powers)
+    else:
+        inv_freq = scaled_frequencies(real(1.0) / powers, scaling)
     positions = np.arange(max_seq_len, dtype=np.int64).astype(real)
     freqs = (positions[:, None] * inv_freq[None, :]).astype(np.float64)
     cos[:] = np.cos(freqs).astype(cos.dtype)
     sin[:] = np.sin(freqs).astype(sin.dtype)
+    if scaling is not None and scaling["type"] == "longrope":
+        # as transformers' Phi3RotaryEmbedding: the float32 cos and sin times attention_factor
+        cos *= real(scaling["attention_factor"])
+        sin *= real(scaling["attention_factor"])
+
+
+def longrope_factors(scaling, max_seq_len):
+    """LongRoPE's factor of each frequency for a model of `max_seq_len` positions: the long ones
+    beyond original_max_position_embeddings, as llama.cpp chooses by its context size and
+    transformers' _compute_longrope_parameters by the sequence's length."""
+    long = max_seq_len > scaling["original_max_position_embeddings"]
+    return np.asarray(scaling["long_factor" if long else "short_factor"], np.float64)
 
 
 def scaled_frequencies(inv_freq, scaling):
-    """The inverse frequencies `inv_freq` scaled as `scaling` says, in their own precision, as
-    transformers' _compute_linear_scaling_rope_parameters and _compute_llama3_parameters scale
-    them (llama.cpp's converter stores the same llama3 factors as its rope_freqs tensor)."""
+    """The inverse frequencies `inv_freq` scaled as `scaling` says (linear or llama3), in their
+    own precision, as transformers' _compute_linear_scaling_rope_parameters and
+    _compute_llama3_parameters scale them (llama.cpp's converter stores the same llama3 factors
+    as its rope_freqs tensor)."""
     if scaling is None:
         return inv_freq
     real = inv_freq.dtype.type
