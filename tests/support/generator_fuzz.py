@@ -169,7 +169,7 @@ def attention(draw, dim, n_layers, max_len):
         layer["rope"] = {"theta": draw(st.sampled_from([100.0, 10000.0, 1e6]))}
         if draw(st.booleans()):  # partial rotary: the first features of each head
             layer["rope"]["dims"] = draw(st.sampled_from([d for d in (2, 4) if d <= head_dim]))
-        scaling = draw(st.sampled_from([None, "linear", "llama3"]))
+        scaling = draw(st.sampled_from([None, "linear", "llama3", "longrope"]))
         if scaling == "linear":
             layer["rope"]["scaling"] = {"type": "linear", "factor": draw(st.floats(0.5, 8.0))}
         elif scaling == "llama3":  # bands around the drawn heads' wavelengths (2 pi to ~2 pi theta)
@@ -178,6 +178,13 @@ def attention(draw, dim, n_layers, max_len):
                 "type": "llama3", "factor": draw(st.floats(1.0, 32.0)), "low_freq_factor": low,
                 "high_freq_factor": low * draw(st.floats(1.5, 8.0)),
                 "original_max_position_embeddings": draw(st.integers(4, 512))}
+        elif scaling == "longrope":  # an original context below the model's (long factors) or not
+            factors = st.lists(st.floats(0.5, 64.0), min_size=(layer["rope"].get("dims") or head_dim) // 2,
+                               max_size=(layer["rope"].get("dims") or head_dim) // 2)
+            layer["rope"]["scaling"] = {
+                "type": "longrope", "short_factor": draw(factors), "long_factor": draw(factors),
+                "original_max_position_embeddings": draw(st.integers(1, 2 * max_len)),
+                "attention_factor": draw(st.floats(0.5, 2.0))}
     if draw(st.booleans()):
         layer["scale"] = draw(st.floats(0.1, 1.5))
     if draw(st.booleans()):

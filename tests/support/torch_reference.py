@@ -52,20 +52,30 @@ def scaled_in_float64(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rotate(x, theta, positions, scaling=None, dims=None):
+def rotate(x, theta, positions, scaling=None, dims=None, max_seq_len=None):
     """Llama's rotate_half RoPE on (B, heads, T, head_dim), positions (B, T), the frequencies
     scaled as `scaling` (a spec's RoPE scaling, as a dict) says; with `dims`, on the first `dims`
-    features only, the others passed through (Phi's partial rotary)."""
+    features only, the others passed through (Phi's partial rotary). LongRoPE takes its long
+    factors for a model of `max_seq_len` positions beyond the original context (test_rope_scaling
+    checks that rule against transformers)."""
     if dims is not None and dims < x.shape[-1]:
-        return torch.cat([rotate(x[..., :dims], theta, positions, scaling), x[..., dims:]], -1)
+        return torch.cat([rotate(x[..., :dims], theta, positions, scaling, None, max_seq_len),
+                          x[..., dims:]], -1)
     half = x.shape[-1] // 2
-    inv_freq = 1.0 / theta ** (torch.arange(0, 2 * half, 2, dtype=torch.float64) / (2 * half))
-    if scaling is not None:
-        inv_freq = scaled_in_float64(inv_freq, scaling)
+    powers = theta ** (torch.arange(0, 2 * half, 2, dtype=torch.float64) / (2 * half))
+    attention_factor = 1.0
+    if scaling is not None and scaling["type"] == "longrope":
+        long = max_seq_len > scaling["original_max_position_embeddings"]
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float64)
+        inv_freq, attention_factor = 1.0 / (factors * powers), scaling["attention_factor"]
+    else:
+        inv_freq = 1.0 / powers
+        if scaling is not None:
+            inv_freq = scaled_in_float64(inv_freq, scaling)
     angles = positions[:, None, :, None].to(torch.float64) * inv_freq  # (B, 1, T, half)
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     x1, x2 = x[..., :half], x[..., half:]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
+    return (x * cos + torch.cat([-x2, x1], -1) * sin) * attention_factor
 
 
 def gelu_tanh(x):
@@ -139,8 +149,8 @@ class Reference(torch.nn.Module):
         kind = a.type_of_layer(layer)
         if a.rope is not None:
             scaling = a.rope.scaling.model_dump() if a.rope.scaling else None
-            q, k = (rotate(q, kind.rope_theta, positions, scaling, a.rope.dims),
-                    rotate(k, kind.rope_theta, positions, scaling, a.rope.dims))
+            q, k = (rotate(q, kind.rope_theta, positions, scaling, a.rope.dims, self.spec.max_seq_len),
+                    rotate(k, kind.rope_theta, positions, scaling, a.rope.dims, self.spec.max_seq_len))
         k = k.repeat_interleave(H // KV, dim=1)
         v = v.repeat_interleave(H // KV, dim=1)
         scores = (q @ k.transpose(-1, -2)) * a.score_scale
