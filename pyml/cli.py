@@ -357,18 +357,21 @@ def serve(
     adapter: Annotated[Path | None, typer.Option(help="A LoRA checkpoint (or peft adapter folder) of --model, folded in first.")] = None,
     host: Annotated[str, typer.Option(help="The address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="The port to listen on.")] = 8000,
-    max_queue: Annotated[int, typer.Option(help="Requests that may wait for the decoder; beyond them a request gets HTTP 429.")] = 16,
+    max_sequences: Annotated[int, typer.Option(help="Requests decoded together, one token each per step.")] = 8,
+    max_queue: Annotated[int, typer.Option(help="Requests that may wait for a place in the batch; beyond them a request gets HTTP 429.")] = 16,
+    context: Annotated[int | None, typer.Option(help="Positions per sequence (prompt and answer); default: the model's max_seq_len, at most 2048.")] = None,
     weights: Annotated[str, typer.Option(help="As `pyml generate --weights`.")] = "as-stored",
     activations: Annotated[str, typer.Option(help="As `pyml generate --activations`.")] = "f32",
 ) -> None:
     """Serve the model with the OpenAI API: POST /v1/chat/completions and /v1/completions
-    (streaming or not), GET /v1/models and /health."""
+    (streaming or not), GET /v1/models and /health; up to --max-sequences requests decoded
+    together (continuous batching)."""
     try:
         from pyml.generate.server import serve as run_server
     except ModuleNotFoundError as error:
         raise PymlError(f"pyml serve needs {error.name}: install pyml with its [serve] extra "
                         "(or pip install fastapi uvicorn)") from None
-    run_server(model, host, port, max_queue, adapter, weights, activations)
+    run_server(model, host, port, max_queue, adapter, weights, activations, max_sequences, context)
 
 
 @app.command("eval")

@@ -9,7 +9,10 @@ kept (GGUF blocks or float32 rows). The KV cache is written in place, and every 
 caller allocated once. On the CPU the step is one Numba function with the layer loop inside, so a
 token costs one call from Python; on CUDA it is a Python function that launches one kernel per op
 and never waits for the device, since a kernel cannot launch the next. Shapes are those of one
-position of one sequence (B = T = N = 1).
+position (T = 1) of each sequence decoded: on the CPU a batch of B sequences (N = B), each at its
+own position and in its own row of the caches, each computed as it would be alone, so that a
+sequence's tokens do not depend on the batch it runs in (`pyml serve`); on CUDA one sequence
+(B = N = 1).
 
 The step's arguments are listed once (`Argument`), so the Numba function's parameters and the
 Python expressions that supply them (`step_arguments`) cannot disagree.
@@ -34,7 +37,12 @@ class Argument:
     source: str  # its value in step_arguments(model, c, weights, keys, values)
 
 
-def one_position(shape: tuple) -> tuple:
+def one_position(shape: tuple, target: str) -> tuple:
+    """`shape` for one position of each sequence: on the CPU, whose step runs a batch of B
+    sequences, B for the batch dims (B, N) and 1 for T; on CUDA, one sequence: 1 for each."""
+    if target == "cpu":
+        return tuple({"B": "B", "N": "B", "T": 1}.get(dim, dim) if isinstance(dim, str) else dim
+                     for dim in shape)
     return tuple(1 if isinstance(dim, str) else dim for dim in shape)
 
 
@@ -70,13 +78,14 @@ class FusedStep:
         if not value.view:
             return storage.name
         if name not in (line.split(" = ")[0] for line in self.views):
-            shape = one_position(storage.shape)
+            shape = one_position(storage.shape, self.target)
             if value.view == "rows":
-                text = f"{storage.name}.reshape({shape_text(one_position(value.shape))})"
+                text = f"{storage.name}.reshape({shape_text(one_position(value.shape, self.target))})"
             elif value.view == "heads":
                 text = f"{storage.name}[{':, ' * (len(shape) - 2)}{value.start}:{value.stop}]"
             else:  # row_heads: B and T merged
-                text = (f"{storage.name}.reshape({shape_text((1, *shape[-2:]))})"
+                rows = "B" if self.target == "cpu" else 1
+                text = (f"{storage.name}.reshape({shape_text((rows, *shape[-2:]))})"
                         f"[:, {value.start}:{value.stop}]")
             self.views.append(f"{name} = {text}")
         return name

@@ -269,13 +269,79 @@ def stored_weights(model, linears, gguf_path: Path) -> tuple[dict[str, tuple], d
 
 @dataclass
 class FusedCache:
-    """A generation's state: the float32 package's one-position buffers (which hold the logits),
-    the step's arguments, and how many positions the cache holds."""
+    """A CUDA generation's state: the float32 package's one-position buffers (which hold the
+    logits), the step's arguments, and how many positions the cache holds."""
 
     buffers: object
     arguments: tuple
     length: int
     max_len: int
+
+
+class DecodingBatch:
+    """The CPU step's sequences: the keys and values of up to `capacity` sequences of up to
+    `max_len` positions each, one row of the caches per sequence (attention op i's keys and values:
+    (layers, capacity, slots, kv heads, head dim)), and each sequence's length. `add` prefills a
+    sequence into a free row, `step` decodes one token for any of them at once, `release` frees a
+    row. A sequence's logits are the same whichever rows run beside it (the step computes each
+    row as it would alone), so what `pyml serve` answers does not depend on the load."""
+
+    def __init__(self, decoder: QuantizedDecoder, capacity: int, max_len: int):
+        model = decoder.model
+        if max_len > model.MAX_SEQ_LEN:
+            raise PymlError(f"{max_len} positions exceed the spec's max_seq_len {model.MAX_SEQ_LEN}")
+        self.decoder, self.capacity, self.max_len = decoder, capacity, max_len
+        template = model.DecodeBuffers(model.device, 1, max_len)  # the slots each layer needs
+        self.keys, self.values = [], []
+        for layer_keys in template.keys:
+            slots = max(array.shape[1] for array in layer_keys)
+            shape = (len(layer_keys), capacity, slots, *layer_keys[0].shape[2:])
+            self.keys.append(np.zeros(shape, layer_keys[0].dtype))
+            self.values.append(np.zeros(shape, layer_keys[0].dtype))
+        self.lengths = np.zeros(capacity, np.int64)
+        self.free = list(range(capacity - 1, -1, -1))
+        self.steps: dict[int, tuple] = {}  # batch size -> (one-position buffers, step arguments)
+
+    def add(self, prompt_ids) -> tuple[int, np.ndarray]:
+        """Prefill `prompt_ids` (a list of ids) into a free row: (the row, the logits (VOCAB,) of
+        the prompt's last position)."""
+        if not self.free:
+            raise PymlError(f"all {self.capacity} sequences of the batch are in use")
+        if len(prompt_ids) > self.max_len:
+            raise PymlError(f"the prompt has {len(prompt_ids)} tokens, more than the {self.max_len} "
+                            "positions of a sequence")
+        # the float32 prefill: its caches hold the prompt's positions in the slots the step uses
+        cache, logits = self.decoder.model.start_decoding(np.array([prompt_ids]), len(prompt_ids))
+        row = self.free.pop()
+        for index, (layer_keys, layer_values) in enumerate(zip(cache.keys, cache.values)):
+            for layer, (keys, values) in enumerate(zip(layer_keys, layer_values)):
+                self.keys[index][layer, row, : keys.shape[1]] = keys[0]
+                self.values[index][layer, row, : values.shape[1]] = values[0]
+        self.lengths[row] = len(prompt_ids)
+        return row, logits[0]
+
+    def step(self, rows: list[int], next_ids: list[int]) -> np.ndarray:
+        """Append token next_ids[i] to the sequence in row rows[i], for every i at once: the
+        logits (len(rows), VOCAB), row i for rows[i]."""
+        rows = np.asarray(rows, np.int64)
+        full = rows[self.lengths[rows] >= self.max_len]
+        if full.size:
+            raise PymlError(f"the decoding cache is full ({self.max_len} positions)")
+        batch = len(rows)
+        if batch not in self.steps:
+            model, decoder = self.decoder.model, self.decoder
+            buffers = model.DecodeBuffers(model.device, batch, 1)  # its own cache is not used
+            self.steps[batch] = buffers, decoder.step.step_arguments(model, buffers, decoder.weights,
+                                                                     self.keys, self.values)
+        buffers, arguments = self.steps[batch]
+        self.decoder.model.load_batch(np.reshape(next_ids, (-1, 1)), buffers.ids, "next_ids")
+        self.decoder.step.decode_step(self.lengths[rows], rows, *arguments)
+        self.lengths[rows] += 1
+        return buffers.logits.copy()
+
+    def release(self, row: int) -> None:
+        self.lengths[row] = 0
+        self.free.append(row)
 
 
 class QuantizedDecoder:
@@ -308,6 +374,13 @@ class QuantizedDecoder:
                                         else " (Q8_0 activations on its Q4_0, Q4_1 and Q8_0 layers)")
         return cls(model, step, kept, formats)
 
+    @classmethod
+    def on_float_rows(cls, model) -> QuantizedDecoder:
+        """`model` decoding through its fused step with its own weights as float rows (what a
+        batch of sequences needs where the folder stores float32)."""
+        step = decode_module(model)
+        return cls(model, step, *float_row_weights(model, step.LINEARS))
+
     def describe_formats(self) -> str:
         """The formats the linear maps run in, e.g. "Q4_1 (4 ops), Q8_0 (lm_head)"."""
         ops: dict[str, list[str]] = {}
@@ -317,26 +390,22 @@ class QuantizedDecoder:
                          for name, prefixes in ops.items())
 
     def start_decoding(self, prompt_ids, max_len):
+        """One sequence's prefill, as the float32 model's start_decoding: (its state, the logits
+        (1, VOCAB) of the prompt's last position)."""
         if np.shape(prompt_ids)[0] != 1:
-            raise PymlError("the fused decode step runs one sequence at a time")
+            raise PymlError("the fused decode step starts one sequence at a time")
+        if self.model.device.name == "cpu":
+            batch = DecodingBatch(self, 1, max_len)
+            return batch, batch.add(list(np.asarray(prompt_ids)[0]))[1][None]
+        # the CUDA step takes the float32 cache's own arrays
         cache, logits = self.model.start_decoding(prompt_ids, max_len)
-        if self.model.device.name == "cuda":  # the CUDA step takes the float32 cache's own arrays
-            arguments = self.step.step_arguments(self.model, cache, self.weights, cache.keys, cache.values)
-            return FusedCache(cache, arguments, cache.length, cache.max_len), logits
-        keys, values = [], []
-        for layer_keys, layer_values in zip(cache.keys, cache.values):
-            # the float32 cache's layers, one array per attention op: (layers, 1, slots, kv, head dim)
-            slots = max(array.shape[1] for array in layer_keys)
-            for source, target in ((layer_keys, keys), (layer_values, values)):
-                stacked = np.zeros((len(source), *source[0].shape[:1], slots, *source[0].shape[2:]),
-                                   source[0].dtype)
-                for layer, array in enumerate(source):
-                    stacked[layer, :, :array.shape[1]] = array
-                target.append(stacked)
-        arguments = self.step.step_arguments(self.model, cache, self.weights, keys, values)
+        arguments = self.step.step_arguments(self.model, cache, self.weights, cache.keys, cache.values)
         return FusedCache(cache, arguments, cache.length, cache.max_len), logits
 
-    def decode(self, cache: FusedCache, next_ids):
+    def decode(self, cache, next_ids):
+        """The next token's logits (1, VOCAB) of a sequence `start_decoding` began."""
+        if isinstance(cache, DecodingBatch):
+            return cache.step([0], list(np.reshape(next_ids, -1)))
         if cache.length >= cache.max_len:
             raise PymlError(f"the decoding cache is full ({cache.max_len} positions)")
         self.model.load_batch(np.reshape(next_ids, (-1, 1)), cache.buffers.ids, "next_ids")

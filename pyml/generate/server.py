@@ -7,10 +7,14 @@ response, and uvicorn finishes in-flight requests on SIGTERM before it exits.
 Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sent events in
 OpenAI's chunk format, ending with `data: [DONE]`, or whole), GET /v1/models and GET /health.
 
-Requests are decoded by one worker thread, one sequence at a time, in arrival order; those waiting
-sit in a queue of `--max-queue`, and beyond it a request gets HTTP 429. Each request decodes exactly
-as it would alone (its own prompt, cache and seeded generator), so its tokens do not depend on the
-load. Batching the running sequences into one decode step is not built yet.
+Continuous batching: one worker thread decodes up to `--max-sequences` requests at once, one
+token each per step of the fused decode step (pyml.generate.quantized.DecodingBatch), which reads
+each weight row once for all of them. A request joins the batch at the next token boundary once a
+sequence's row is free (its prompt prefilled first, whole: chunked prefill is not built, so a long
+prompt holds the others for its prefill), and leaves it when it ends or its client disconnects.
+Beyond the batch, requests wait in a queue of `--max-queue`; beyond that a request gets HTTP 429.
+Answers do not depend on the load: the step computes each sequence as it would alone, bit for
+bit, and each request samples from its own seeded generator.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pyml.errors import PymlError
 from pyml.formats.chat_template import ChatTemplate
 from pyml.generate import decoding
+from pyml.generate.quantized import DecodingBatch, QuantizedDecoder
 
 
 class Message(BaseModel):
@@ -78,6 +83,9 @@ class CompletionRequest(Sampling):
 
 
 DRAIN_SECONDS = 30  # how long a SIGTERM waits for the requests in flight
+# positions per sequence unless --context says: each sequence's keys and values are allocated up
+# front (SmolLM2: 94 MiB per sequence at 2048)
+DEFAULT_CONTEXT = 2048
 UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "logit_bias")
 
 
@@ -99,63 +107,100 @@ class Job:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
-class Engine:
-    """The model, its tokenizer and template, and the worker thread that decodes the queued jobs."""
+@dataclass
+class Sequence:
+    """A job in the running batch: its row of the batch's caches, its generator, its tokens and
+    how many characters of their text were sent."""
 
-    def __init__(self, model_dir: Path, decoder, name: str, max_queue: int):
-        self.model_dir, self.decoder, self.name = model_dir, decoder, name
+    job: Job
+    row: int
+    rng: np.random.Generator
+    new_ids: list[int] = field(default_factory=list)
+    sent: int = 0
+
+
+class Engine:
+    """The model, its tokenizer and template, and the worker thread that decodes the queued jobs
+    in one batch of up to `max_sequences`, each of up to `context` positions."""
+
+    def __init__(self, model_dir: Path, decoder, name: str, max_queue: int, max_sequences: int,
+                 context: int):
+        self.model_dir, self.name = model_dir, name
         self.tokenizer = decoding.load_tokenizer(model_dir)
         self.template = ChatTemplate.of_folder(model_dir)
         self.eos = decoding.eos_ids(model_dir)
-        self.context = getattr(decoder, "model", decoder).MAX_SEQ_LEN
+        self.batch = DecodingBatch(decoder, max_sequences, context)
+        self.context = context
         self.jobs: queue.Queue[Job] = queue.Queue(max_queue)
-        self.active = 0  # jobs taken by the worker and not finished
+        self.running: dict[int, Sequence] = {}  # by row
         self.worker = threading.Thread(target=self.run, name="pyml-decoder", daemon=True)
         self.worker.start()
 
+    @property
+    def active(self) -> int:
+        return len(self.running)
+
     def run(self) -> None:
         while True:
-            job = self.jobs.get()
-            self.active = 1
             try:
-                self.decode(job)
-            except Exception as error:  # a bug must not kill the worker: the request fails alone
-                job.emit("error", str(error))
-            finally:
-                self.active = 0
+                self.admit()
+                running = list(self.running.values())
+                if running:
+                    logits = self.batch.step([sequence.row for sequence in running],
+                                             [sequence.new_ids[-1] for sequence in running])
+                    for sequence, row_logits in zip(running, logits):
+                        self.advance(sequence, row_logits)
+            except Exception as error:  # a bug must not kill the worker: the running requests fail
+                for sequence in list(self.running.values()):
+                    sequence.job.emit("error", str(error))
+                    self.leave(sequence)
 
-    def decode(self, job: Job) -> None:
-        """Decode `job` token by token, sending the text that can no longer be part of a stop
-        string; stop at an end-of-turn token, a stop string (left out of the text), max_tokens
-        (the context's end included) or the job's cancellation."""
-        rng = np.random.default_rng(job.seed)
-        cache, logits = self.decoder.start_decoding(np.array([job.prompt_ids]),
-                                                    len(job.prompt_ids) + job.max_tokens)
-        new_ids: list[int] = []
-        sent, finish, cut = 0, "length", None  # sent: characters of the decoded text sent
-        while len(new_ids) < job.max_tokens and not job.cancelled.is_set():
-            token = job.sampler.next_token(logits[0], rng, job.prompt_ids, new_ids)
-            new_ids.append(token)
-            if token in self.eos:
-                finish = "stop"
-                break
-            text = self.tokenizer.decode(new_ids)
-            cut = first_stop(text, job.stops)
-            if cut is not None:
-                finish = "stop"
-                break
-            ready = len(text) - held_back(text, job.stops)
-            if ready > sent:
-                job.emit("text", text[sent:ready])
-                sent = ready
-            if len(new_ids) < job.max_tokens:
-                logits = self.decoder.decode(cache, np.array([token]))
-        if not job.cancelled.is_set():  # what was held back, up to a stop string found
-            text = self.tokenizer.decode(new_ids)  # an end-of-turn token decodes to nothing
+    def admit(self) -> None:
+        """Take queued jobs into the free rows (waiting for one when nothing runs): each one's
+        prompt is prefilled and its first token drawn from the prompt's logits."""
+        while self.batch.free:
+            try:
+                job = self.jobs.get(block=not self.running)
+            except queue.Empty:
+                return
+            if job.cancelled.is_set():
+                continue
+            try:
+                row, logits = self.batch.add(job.prompt_ids)
+            except Exception as error:
+                job.emit("error", str(error))
+                continue
+            sequence = Sequence(job, row, np.random.default_rng(job.seed))
+            self.running[row] = sequence
+            self.advance(sequence, logits)
+
+    def advance(self, sequence: Sequence, logits: np.ndarray) -> None:
+        """Draw the sequence's next token from `logits` and send the text that can no longer be
+        part of a stop string; end it at an end-of-turn token, a stop string (left out of the
+        text), max_tokens (the context's end included) or its job's cancellation."""
+        job, new_ids = sequence.job, sequence.new_ids
+        if job.cancelled.is_set():
+            self.leave(sequence)
+            return
+        token = job.sampler.next_token(logits, sequence.rng, job.prompt_ids, new_ids)
+        new_ids.append(token)
+        text = self.tokenizer.decode(new_ids)  # an end-of-turn token decodes to nothing
+        cut = first_stop(text, job.stops)
+        if token in self.eos or cut is not None or len(new_ids) == job.max_tokens:
             end = len(text) if cut is None else cut
-            if end > sent:
-                job.emit("text", text[sent:end])
-        job.emit("done", finish, len(new_ids))
+            if end > sequence.sent:
+                job.emit("text", text[sequence.sent:end])
+            job.emit("done", "stop" if token in self.eos or cut is not None else "length", len(new_ids))
+            self.leave(sequence)
+            return
+        ready = len(text) - held_back(text, job.stops)
+        if ready > sequence.sent:
+            job.emit("text", text[sequence.sent:ready])
+            sequence.sent = ready
+
+    def leave(self, sequence: Sequence) -> None:
+        del self.running[sequence.row]
+        self.batch.release(sequence.row)
 
 
 def first_stop(text: str, stops: list[str]) -> int | None:
@@ -190,7 +235,8 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "active": engine.active, "queued": engine.jobs.qsize()}
+        return {"status": "ok", "active": engine.active, "queued": engine.jobs.qsize(),
+                "max_sequences": engine.batch.capacity}
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -325,16 +371,26 @@ class Reply:
 
 
 def serve(model_dir: Path, host: str, port: int, max_queue: int, adapter: Path | None = None,
-          weights: str = "as-stored", activations: str = "f32") -> None:
+          weights: str = "as-stored", activations: str = "f32", max_sequences: int = 8,
+          context: int | None = None) -> None:
     """Load the folder's model and serve it until SIGTERM or Ctrl-C: new connections are refused,
-    the requests in flight get DRAIN_SECONDS to finish, and a SIGTERM exits with status 0."""
+    the requests in flight get DRAIN_SECONDS to finish, and a SIGTERM exits with status 0.
+    `context` (positions per sequence) defaults to the model's max_seq_len, at most DEFAULT_CONTEXT."""
     import uvicorn
 
-    if max_queue < 1:
-        raise PymlError(f"--max-queue must be at least 1, not {max_queue}")
+    for option, value in (("--max-queue", max_queue), ("--max-sequences", max_sequences),
+                          ("--context", context)):
+        if value is not None and value < 1:
+            raise PymlError(f"{option} must be at least 1, not {value}")
     model_dir = Path(model_dir)
     decoder = decoding.load_decoder(model_dir, weights=weights, adapter=adapter, activations=activations)
-    engine = Engine(model_dir, decoder, model_dir.resolve().name, max_queue)
+    if not isinstance(decoder, QuantizedDecoder):  # float32 weights: the fused step on float rows
+        decoder = QuantizedDecoder.on_float_rows(decoder)
+    max_seq_len = decoder.model.MAX_SEQ_LEN
+    if context is not None and context > max_seq_len:
+        raise PymlError(f"--context {context} exceeds the model's max_seq_len {max_seq_len}")
+    engine = Engine(model_dir, decoder, model_dir.resolve().name, max_queue, max_sequences,
+                    context or min(max_seq_len, DEFAULT_CONTEXT))
     # uvicorn drains on SIGTERM, then raises the signal again under the handler it found: this one
     # lets the drained server return, so a SIGTERM ends it with status 0
     signal.signal(signal.SIGTERM, lambda signum, frame: None)

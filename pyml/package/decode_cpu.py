@@ -1,7 +1,7 @@
 """What every generated fused decode step (gen/<name>/decode_cpu.py) calls besides its package's own
-kernels: the linear map of one row on weights in any kept format, the KV cache's slot of a
-position, and the thread count of the pool's next parallel loops (the step wakes the pool for its
-matrix-vector products and attention only).
+kernels: the linear map of each sequence's row on weights in any kept format, and the thread
+count of the pool's next parallel loops (the step wakes the pool for its matrix-vector products
+and attention only).
 
 A linear op's weights arrive as one tuple, the same types for every format, so that one compiled
 step serves any mix of formats: (kinds, packed, high, scale, offset, dense, x_values, x_scale,
@@ -47,13 +47,19 @@ from numba.np.ufunc.parallel import _launch_threads
 
 from pyml.package.quantized_dot import (
     QDOT_GROUP_ROWS,
+    QDOT_SAMPLES,
     q4_q8_rows_by_16,
     q4_row_dot_runs_of_16,
     q4_row_dot_runs_of_32,
+    q4_rows_dot_runs_of_16,
+    q4_rows_dot_runs_of_32,
     q5_row_dot,
+    q5_rows_dot,
     q6_row_dot,
+    q6_rows_dot,
     q8_q8_rows_by_16,
     q8_row_dot,
+    q8_rows_dot,
     round_activations_q8,
 )
 
@@ -100,66 +106,75 @@ def use_pool_threads(typingctx, count):
 
 @njit(parallel=True, fastmath=FAST)
 def linear_row(weight, layer, x, y):
-    """y[0] = W x[0] (+ nothing: a bias is added by the caller), W layer `layer` of `weight`; x is
-    (1, in), y (1, out) float32. One output row per iteration of the parallel loop (16 for the
-    int8-activation kinds, after x is rounded on the calling thread); no BLAS, so no BLAS thread
-    wakes up for a matrix-vector product."""
+    """y[b] = W x[b] (+ nothing: a bias is added by the caller) for each row b, W layer `layer` of
+    `weight`; x is (B, in), y (B, out) float32, one row per sequence of the step's batch. One
+    output row per iteration of the parallel loop, for every sequence at once: each weight row is
+    read from memory once per step, and dequantized once per QDOT_SAMPLES sequences, whatever B
+    is; each y[b, row] is summed in the same order whether its sequence is taken alone or with
+    others (quantized_dot.QdotSamples), so a sequence's result does not depend on its batch. The
+    int8-activation kinds run sequence by sequence (16 rows per iteration, after the sequence's x
+    is rounded on the calling thread). No BLAS, so no BLAS thread wakes up."""
     kinds, packed, high, scale, offset, dense, x_values, x_scale, x_total = weight
     kind = kinds[layer]
     packed, high, scale, offset, dense = packed[layer], high[layer], scale[layer], offset[layer], dense[layer]
-    rows = y.shape[1]
+    rows, batch = y.shape[1], y.shape[0]
+    whole = batch - batch % QDOT_SAMPLES  # the rows of x taken QDOT_SAMPLES at a time
     if kind == Q4_RUNS_OF_16:
         for row in prange(rows):
-            y[0, row] = q4_row_dot_runs_of_16(packed, scale, offset, x, row, 0)
+            for b in range(0, whole, QDOT_SAMPLES):
+                q4_rows_dot_runs_of_16(packed, scale, offset, x, row, b, y)
+            for b in range(whole, batch):
+                q4_row_dot_runs_of_16(packed, scale, offset, x, row, b, y)
     elif kind == Q4_RUNS_OF_32:
         for row in prange(rows):
-            y[0, row] = q4_row_dot_runs_of_32(packed, scale, offset, x, row, 0)
+            for b in range(0, whole, QDOT_SAMPLES):
+                q4_rows_dot_runs_of_32(packed, scale, offset, x, row, b, y)
+            for b in range(whole, batch):
+                q4_row_dot_runs_of_32(packed, scale, offset, x, row, b, y)
     elif kind == Q5:
         for row in prange(rows):
-            y[0, row] = q5_row_dot(packed, high, scale, offset, x, row, 0)
+            for b in range(0, whole, QDOT_SAMPLES):
+                q5_rows_dot(packed, high, scale, offset, x, row, b, y)
+            for b in range(whole, batch):
+                q5_row_dot(packed, high, scale, offset, x, row, b, y)
     elif kind == Q8:
         for row in prange(rows):
-            y[0, row] = q8_row_dot(packed, scale, x, row, 0)
+            for b in range(0, whole, QDOT_SAMPLES):
+                q8_rows_dot(packed, scale, x, row, b, y)
+            for b in range(whole, batch):
+                q8_row_dot(packed, scale, x, row, b, y)
     elif kind == Q4_RUNS_OF_16_X8:
-        round_activations_q8(x, x_values, x_scale, x_total)
-        for group in prange((rows + QDOT_GROUP_ROWS - 1) // QDOT_GROUP_ROWS):
-            q4_q8_rows_by_16(packed, scale, offset, x_values, x_scale, x_total, group, y)
+        for b in range(batch):
+            y_b = y[b : b + 1]
+            round_activations_q8(x[b : b + 1], x_values, x_scale, x_total)
+            for group in prange((rows + QDOT_GROUP_ROWS - 1) // QDOT_GROUP_ROWS):
+                q4_q8_rows_by_16(packed, scale, offset, x_values, x_scale, x_total, group, y_b)
     elif kind == Q8_X8:
-        round_activations_q8(x, x_values, x_scale, x_total)
-        for group in prange((rows + QDOT_GROUP_ROWS - 1) // QDOT_GROUP_ROWS):
-            q8_q8_rows_by_16(packed, scale, x_values, x_scale, x_total, group, y)
+        for b in range(batch):
+            y_b = y[b : b + 1]
+            round_activations_q8(x[b : b + 1], x_values, x_scale, x_total)
+            for group in prange((rows + QDOT_GROUP_ROWS - 1) // QDOT_GROUP_ROWS):
+                q8_q8_rows_by_16(packed, scale, x_values, x_scale, x_total, group, y_b)
     elif kind == Q6:
         for row in prange(rows):
-            y[0, row] = q6_row_dot(packed, high, scale, x, row, 0)
+            for b in range(0, whole, QDOT_SAMPLES):
+                q6_rows_dot(packed, high, scale, x, row, b, y)
+            for b in range(whole, batch):
+                q6_row_dot(packed, high, scale, x, row, b, y)
     else:
         for row in prange(rows):
-            total = np.float32(0.0)
-            for k in range(x.shape[1]):
-                total += dense[row, k] * x[0, k]
-            y[0, row] = total
+            for b in range(batch):
+                total = np.float32(0.0)
+                for k in range(x.shape[1]):
+                    total += dense[row, k] * x[b, k]
+                y[b, row] = total
 
 
 @njit(cache=True)
 def add_bias(y, bias):
-    for i in range(y.shape[1]):
-        y[0, i] += bias[i]
-
-
-@njit(cache=True)
-def cache_slot(window, position):
-    """(the slot position `position` is written to, how many slots hold positions): a global layer
-    has a slot per position, a sliding one its window, position p in slot p % window; the same
-    rule as pyml.package.base.KVCache.cache_slot, which the prompt's cache was filled by."""
-    if window:
-        return position % window, min(position + 1, window)
-    return position, position + 1
-
-
-@njit(cache=True)
-def store_slot(cache, slot, x):
-    """cache[:, slot] = x[:, 0]: one position's keys or values (1, 1, kv heads, head dim) into
-    slot `slot` of a layer's cache (1, slots, kv heads, head dim), as decode_cuda.store_slot."""
-    cache[:, slot] = x[:, 0]
+    for b in range(y.shape[0]):
+        for i in range(y.shape[1]):
+            y[b, i] += bias[i]
 
 
 def stack_layers(arrays):

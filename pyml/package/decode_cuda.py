@@ -1,13 +1,13 @@
 """What every generated CUDA decode step (gen/<name>/decode_cuda.py) calls besides its package's own
 kernels: the linear map of one row on weights in any kept format, the KV cache's slot of a
-position and the write into it, and a bias.
+position and the write into it, and a bias. It decodes one sequence per step.
 
 A linear op's weights are the CPU step's tuple (pyml/package/decode_cpu.py gives the kinds and the
 arrays) copied to the device by `device_weight`: (kinds, packed, high, scale, offset, dense), the
 kinds staying on the host, where `linear_row` reads the kind of a layer to pick the loop the
 kernel runs. The kinds that round the input to int8 (--activations q8_0) are CPU-only: the
 rounding buys a CPU its integer dot-product instructions, and a GPU reads the weights from memory
-fast enough without it. The slot of a position is the CPU step's `cache_slot`, re-exported.
+fast enough without it. The slot of a position is the CPU kernels' `cache_slot`, re-exported.
 
 A row's products are summed by one warp: thread t takes the weights t, t + 32, ... of the row,
 dequantized as gguf does (pyml/package/quantized_cuda.py), so a warp reads consecutive bytes, and
@@ -21,7 +21,7 @@ import numpy as np
 from numba import cuda
 
 from pyml.errors import PymlError
-from pyml.package.decode_cpu import cache_slot  # noqa: F401 (the generated steps import it from here)
+from pyml.package.cpu.attention import cache_slot  # noqa: F401 (the generated steps import it from here)
 from pyml.package.decode_cpu import DENSE, Q4_RUNS_OF_16, Q4_RUNS_OF_32, Q5, Q6, Q8
 from pyml.package.quantized_cuda import THREADS, block_sum, q4_weight, q5_weight, q6_weight, q8_weight
 

@@ -117,147 +117,188 @@ class QdotPartialSums:
         return builder.call(reduce, [ir.Constant(QDOT_F32, 0.0), vector])
 
 
+class QdotSamples:
+    """The float32 rows x[sample], ..., x[sample + count - 1] that one weight row multiplies, each
+    with partial sums of its own. Each weight vector is dequantized once and multiplied by every
+    row, and each row's products are added in the same order whatever `count` is: its sum is the
+    same, bit for bit, as when it is multiplied alone (count 1)."""
+
+    def __init__(self, context, builder, x_type, x, sample, count):
+        self.builder = builder
+        self.rows = [qdot_row(context, builder, x_type, x, builder.add(sample, ir.Constant(sample.type, g)))[0]
+                     for g in range(count)]
+        self.sums = [QdotPartialSums(builder) for _ in range(count)]
+
+    def add_products(self, weights, start):
+        """Add weights times each row's values start .. start + len(weights) - 1."""
+        for row, sums in zip(self.rows, self.sums):
+            sums.add_products(weights, qdot_load(self.builder, row, start, QDOT_F32, weights.type.count))
+
+    def store(self, context, y_type, y, sample, column):
+        """y[sample + g, column] = row g's sum (float32, converted to y's dtype)."""
+        builder = self.builder
+        for g, sums in enumerate(self.sums):
+            y_row, _ = qdot_row(context, builder, y_type, y, builder.add(sample, ir.Constant(sample.type, g)))
+            total = context.cast(builder, sums.total(), types.float32, y_type.dtype)
+            builder.store(total, builder.gep(y_row, [column]))
+
+
+def qdot_intrinsic(codegen_loop, weight_arrays):
+    """The intrinsics of one weight format's dot products, for `count` rows of x at once:
+    f(weights..., x, row, sample, y) writes sum_k W[row, k] * x[sample + g, k] into y[sample + g,
+    row] for g < count; `codegen_loop(context, builder, weight_types, weights, row, samples)` emits
+    the loop over the weight row's blocks, calling samples.add_products."""
+
+    def intrinsic_of(count):
+        def codegen(context, builder, signature, args):
+            *weights, x, row, sample, y = args
+            *weight_types, x_type, _, _, y_type = signature.args
+            samples = QdotSamples(context, builder, x_type, x, sample, count)
+            codegen_loop(context, builder, weight_types, weights, row, samples)
+            samples.store(context, y_type, y, sample, row)
+            return context.get_dummy_value()
+
+        def typed(args):
+            qdot_check(*args[:weight_arrays + 1], args[-1])
+            return types.none(*args), codegen
+
+        # an intrinsic's parameters are named one by one (numba types no *args)
+        if weight_arrays == 2:
+            def typer(typingctx, a, b, x, row, sample, y):
+                return typed((a, b, x, row, sample, y))
+        elif weight_arrays == 3:
+            def typer(typingctx, a, b, c, x, row, sample, y):
+                return typed((a, b, c, x, row, sample, y))
+        else:
+            def typer(typingctx, a, b, c, d, x, row, sample, y):
+                return typed((a, b, c, d, x, row, sample, y))
+        return intrinsic(typer)
+
+    return intrinsic_of
+
+
 def qdot_check(*arrays):
     for array in arrays:
         if not isinstance(array, types.Array) or array.ndim != 2 or array.layout != "C":
             raise TypeError(f"a quantized dot product takes C-contiguous 2-D arrays, not {array}")
 
 
-def qdot_q4_intrinsic(run_bytes):
-    """The dot product of a 4-bit row whose values come in runs of `run_bytes` (16 or 32) bytes."""
+def qdot_q4_loop(run_bytes):
+    """The blocks of a 4-bit row whose values come in runs of `run_bytes` (16 or 32) bytes: values
+    (rows, in / 2) uint8, scale and offset (rows, in / 32) float32."""
 
-    @intrinsic
-    def q4_row_dot(typingctx, values, scale, offset, x, row, sample):
-        """sum_k W[row, k] * x[sample, k], W in 4 bits: values (rows, in / 2) uint8, scale and
-        offset (rows, in / 32) float32, x (samples, in) float32."""
-        qdot_check(values, scale, offset, x)
+    def loop(context, builder, weight_types, weights, row, samples):
+        q_row, row_bytes = qdot_row(context, builder, weight_types[0], weights[0], row)
+        scale_row, _ = qdot_row(context, builder, weight_types[1], weights[1], row)
+        offset_row, _ = qdot_row(context, builder, weight_types[2], weights[2], row)
+        with cgutils.for_range(builder, builder.udiv(row_bytes, qdot_index(run_bytes))) as loop:
+            packed = qdot_load(builder, q_row, builder.mul(loop.index, qdot_index(run_bytes)),
+                               QDOT_I8, run_bytes)
+            nibbles = (builder.and_(packed, qdot_bytes(15, run_bytes)),
+                       builder.lshr(packed, qdot_bytes(4, run_bytes)))
+            for half in range(2):
+                # the 32-value block of this half of the run (a 16-byte run is one block)
+                block = (builder.add(builder.mul(loop.index, qdot_index(2)), qdot_index(half))
+                         if run_bytes == 32 else loop.index)
+                q = builder.uitofp(nibbles[half], qdot_vector_type(QDOT_F32, run_bytes))
+                weights_vector = builder.fadd(
+                    builder.fmul(q, qdot_splat(builder, qdot_scalar(builder, scale_row, block), run_bytes)),
+                    qdot_splat(builder, qdot_scalar(builder, offset_row, block), run_bytes))
+                start = builder.add(builder.mul(loop.index, qdot_index(2 * run_bytes)),
+                                    qdot_index(half * run_bytes))
+                samples.add_products(weights_vector, start)
 
-        def codegen(context, builder, signature, args):
-            q_row, row_bytes = qdot_row(context, builder, signature.args[0], args[0], args[4])
-            scale_row, _ = qdot_row(context, builder, signature.args[1], args[1], args[4])
-            offset_row, _ = qdot_row(context, builder, signature.args[2], args[2], args[4])
-            x_row, _ = qdot_row(context, builder, signature.args[3], args[3], args[5])
-            sums = QdotPartialSums(builder)
-            with cgutils.for_range(builder, builder.udiv(row_bytes, qdot_index(run_bytes))) as loop:
-                packed = qdot_load(builder, q_row, builder.mul(loop.index, qdot_index(run_bytes)),
-                                   QDOT_I8, run_bytes)
-                nibbles = (builder.and_(packed, qdot_bytes(15, run_bytes)),
-                           builder.lshr(packed, qdot_bytes(4, run_bytes)))
-                for half in range(2):
-                    # the 32-value block of this half of the run (a 16-byte run is one block)
-                    block = (builder.add(builder.mul(loop.index, qdot_index(2)), qdot_index(half))
-                             if run_bytes == 32 else loop.index)
-                    q = builder.uitofp(nibbles[half], qdot_vector_type(QDOT_F32, run_bytes))
-                    weights = builder.fadd(
-                        builder.fmul(q, qdot_splat(builder, qdot_scalar(builder, scale_row, block), run_bytes)),
-                        qdot_splat(builder, qdot_scalar(builder, offset_row, block), run_bytes))
-                    start = builder.add(builder.mul(loop.index, qdot_index(2 * run_bytes)),
-                                        qdot_index(half * run_bytes))
-                    sums.add_products(weights, qdot_load(builder, x_row, start, QDOT_F32, run_bytes))
-            return sums.total()
-
-        return types.float32(values, scale, offset, x, row, sample), codegen
-
-    return q4_row_dot
+    return qdot_intrinsic(loop, 3)
 
 
-q4_row_dot_runs_of_16 = qdot_q4_intrinsic(16)  # Q4_0, Q4_1
-q4_row_dot_runs_of_32 = qdot_q4_intrinsic(32)  # Q4_K
+q4_dots_runs_of_16 = qdot_q4_loop(16)  # Q4_0, Q4_1
+q4_dots_runs_of_32 = qdot_q4_loop(32)  # Q4_K
 
 
-@intrinsic
-def q5_row_dot(typingctx, values, high, scale, offset, x, row, sample):
-    """sum_k W[row, k] * x[sample, k], W in 5 bits (Q5_0): values (rows, in / 2) and high
-    (rows, in / 8) uint8, scale and offset (rows, in / 32) float32, x (samples, in) float32."""
-    qdot_check(values, high, scale, offset, x)
-
-    def codegen(context, builder, signature, args):
-        q_row, row_bytes = qdot_row(context, builder, signature.args[0], args[0], args[5])
-        high_row, _ = qdot_row(context, builder, signature.args[1], args[1], args[5])
-        scale_row, _ = qdot_row(context, builder, signature.args[2], args[2], args[5])
-        offset_row, _ = qdot_row(context, builder, signature.args[3], args[3], args[5])
-        x_row, _ = qdot_row(context, builder, signature.args[4], args[4], args[6])
-        sums = QdotPartialSums(builder)
-        with cgutils.for_range(builder, builder.udiv(row_bytes, qdot_index(16))) as loop:
-            block = loop.index  # 32 values: 16 bytes of nibbles, 4 bytes of fifth bits
-            packed = qdot_load(builder, q_row, builder.mul(block, qdot_index(16)), QDOT_I8, 16)
-            fifth = qdot_load(builder, high_row, builder.mul(block, qdot_index(4)), QDOT_I8, 4)
-            nibbles = (builder.and_(packed, qdot_bytes(15, 16)), builder.lshr(packed, qdot_bytes(4, 16)))
-            for half in range(2):  # values 16 * half + i, i < 16: bit i % 8 of byte 2 * half + i // 8
-                spread = builder.shuffle_vector(
-                    fifth, ir.Constant(fifth.type, ir.Undefined),
-                    ir.Constant(qdot_vector_type(QDOT_I32, 16), [2 * half + i // 8 for i in range(16)]))
-                bits = builder.and_(
-                    builder.lshr(spread, ir.Constant(qdot_vector_type(QDOT_I8, 16), [i % 8 for i in range(16)])),
-                    qdot_bytes(1, 16))
-                q = builder.or_(nibbles[half], builder.shl(bits, qdot_bytes(4, 16)))
-                q = builder.uitofp(q, qdot_vector_type(QDOT_F32, 16))
-                weights = builder.fadd(
-                    builder.fmul(q, qdot_splat(builder, qdot_scalar(builder, scale_row, block), 16)),
-                    qdot_splat(builder, qdot_scalar(builder, offset_row, block), 16))
-                start = builder.add(builder.mul(block, qdot_index(32)), qdot_index(16 * half))
-                sums.add_products(weights, qdot_load(builder, x_row, start, QDOT_F32, 16))
-        return sums.total()
-
-    return types.float32(values, high, scale, offset, x, row, sample), codegen
+def q5_loop(context, builder, weight_types, weights, row, samples):
+    """The blocks of a 5-bit row (Q5_0): values (rows, in / 2) and high (rows, in / 8) uint8,
+    scale and offset (rows, in / 32) float32."""
+    q_row, row_bytes = qdot_row(context, builder, weight_types[0], weights[0], row)
+    high_row, _ = qdot_row(context, builder, weight_types[1], weights[1], row)
+    scale_row, _ = qdot_row(context, builder, weight_types[2], weights[2], row)
+    offset_row, _ = qdot_row(context, builder, weight_types[3], weights[3], row)
+    with cgutils.for_range(builder, builder.udiv(row_bytes, qdot_index(16))) as loop:
+        block = loop.index  # 32 values: 16 bytes of nibbles, 4 bytes of fifth bits
+        packed = qdot_load(builder, q_row, builder.mul(block, qdot_index(16)), QDOT_I8, 16)
+        fifth = qdot_load(builder, high_row, builder.mul(block, qdot_index(4)), QDOT_I8, 4)
+        nibbles = (builder.and_(packed, qdot_bytes(15, 16)), builder.lshr(packed, qdot_bytes(4, 16)))
+        for half in range(2):  # values 16 * half + i, i < 16: bit i % 8 of byte 2 * half + i // 8
+            spread = builder.shuffle_vector(
+                fifth, ir.Constant(fifth.type, ir.Undefined),
+                ir.Constant(qdot_vector_type(QDOT_I32, 16), [2 * half + i // 8 for i in range(16)]))
+            bits = builder.and_(
+                builder.lshr(spread, ir.Constant(qdot_vector_type(QDOT_I8, 16), [i % 8 for i in range(16)])),
+                qdot_bytes(1, 16))
+            q = builder.or_(nibbles[half], builder.shl(bits, qdot_bytes(4, 16)))
+            q = builder.uitofp(q, qdot_vector_type(QDOT_F32, 16))
+            weights_vector = builder.fadd(
+                builder.fmul(q, qdot_splat(builder, qdot_scalar(builder, scale_row, block), 16)),
+                qdot_splat(builder, qdot_scalar(builder, offset_row, block), 16))
+            start = builder.add(builder.mul(block, qdot_index(32)), qdot_index(16 * half))
+            samples.add_products(weights_vector, start)
 
 
-@intrinsic
-def q8_row_dot(typingctx, values, scale, x, row, sample):
-    """sum_k W[row, k] * x[sample, k], W in 8 bits: values (rows, in) int8, scale (rows, in / 32)
-    float32, x (samples, in) float32."""
-    qdot_check(values, scale, x)
-
-    def codegen(context, builder, signature, args):
-        q_row, row_length = qdot_row(context, builder, signature.args[0], args[0], args[3])
-        scale_row, _ = qdot_row(context, builder, signature.args[1], args[1], args[3])
-        x_row, _ = qdot_row(context, builder, signature.args[2], args[2], args[4])
-        sums = QdotPartialSums(builder)
-        with cgutils.for_range(builder, builder.udiv(row_length, qdot_index(32))) as loop:
-            start = builder.mul(loop.index, qdot_index(32))
-            weights = builder.fmul(
-                builder.sitofp(qdot_load(builder, q_row, start, QDOT_I8, 32), qdot_vector_type(QDOT_F32, 32)),
-                qdot_splat(builder, qdot_scalar(builder, scale_row, loop.index), 32))
-            sums.add_products(weights, qdot_load(builder, x_row, start, QDOT_F32, 32))
-        return sums.total()
-
-    return types.float32(values, scale, x, row, sample), codegen
+q5_dots = qdot_intrinsic(q5_loop, 4)
 
 
-@intrinsic
-def q6_row_dot(typingctx, low, high, scale, x, row, sample):
-    """sum_k W[row, k] * x[sample, k], W in 6 bits (Q6_K): low (rows, in / 2) and high
-    (rows, in / 4) uint8, scale (rows, in / 16) float32, x (samples, in) float32."""
-    qdot_check(low, high, scale, x)
+def q8_loop(context, builder, weight_types, weights, row, samples):
+    """The blocks of an 8-bit row: values (rows, in) int8, scale (rows, in / 32) float32."""
+    q_row, row_length = qdot_row(context, builder, weight_types[0], weights[0], row)
+    scale_row, _ = qdot_row(context, builder, weight_types[1], weights[1], row)
+    with cgutils.for_range(builder, builder.udiv(row_length, qdot_index(32))) as loop:
+        start = builder.mul(loop.index, qdot_index(32))
+        weights_vector = builder.fmul(
+            builder.sitofp(qdot_load(builder, q_row, start, QDOT_I8, 32), qdot_vector_type(QDOT_F32, 32)),
+            qdot_splat(builder, qdot_scalar(builder, scale_row, loop.index), 32))
+        samples.add_products(weights_vector, start)
 
-    def codegen(context, builder, signature, args):
-        low_row, low_bytes = qdot_row(context, builder, signature.args[0], args[0], args[4])
-        high_row, _ = qdot_row(context, builder, signature.args[1], args[1], args[4])
-        scale_row, _ = qdot_row(context, builder, signature.args[2], args[2], args[4])
-        x_row, _ = qdot_row(context, builder, signature.args[3], args[3], args[5])
-        sums = QdotPartialSums(builder)
-        with cgutils.for_range(builder, builder.udiv(low_bytes, qdot_index(64))) as loop:
-            group = loop.index  # 128 values
-            low = qdot_load(builder, low_row, builder.mul(group, qdot_index(64)), QDOT_I8, 64)
-            high = qdot_load(builder, high_row, builder.mul(group, qdot_index(32)), QDOT_I8, 32)
-            for k in range(4):  # values 32k .. 32k + 31 of the group
-                source = qdot_lanes(builder, low, 32 * (k % 2), 32)
-                nibble = (builder.and_(source, qdot_bytes(15, 32)) if k < 2
-                          else builder.lshr(source, qdot_bytes(4, 32)))
-                high_bits = builder.and_(builder.lshr(high, qdot_bytes(2 * k, 32)), qdot_bytes(3, 32))
-                q = builder.sub(builder.or_(nibble, builder.shl(high_bits, qdot_bytes(4, 32))),
-                                qdot_bytes(32, 32))
-                q = builder.sitofp(q, qdot_vector_type(QDOT_F32, 32))
-                first_scale = builder.add(builder.mul(group, qdot_index(8)), qdot_index(2 * k))
-                for half in range(2):  # 16 values per scale
-                    weights = builder.fmul(
-                        qdot_lanes(builder, q, 16 * half, 16),
-                        qdot_splat(builder, qdot_scalar(builder, scale_row, builder.add(first_scale, qdot_index(half))), 16))
-                    start = builder.add(builder.mul(group, qdot_index(128)), qdot_index(32 * k + 16 * half))
-                    sums.add_products(weights, qdot_load(builder, x_row, start, QDOT_F32, 16))
-        return sums.total()
 
-    return types.float32(low, high, scale, x, row, sample), codegen
+q8_dots = qdot_intrinsic(q8_loop, 2)
+
+
+def q6_loop(context, builder, weight_types, weights, row, samples):
+    """The blocks of a 6-bit row (Q6_K): low (rows, in / 2) and high (rows, in / 4) uint8, scale
+    (rows, in / 16) float32."""
+    low_row, low_bytes = qdot_row(context, builder, weight_types[0], weights[0], row)
+    high_row, _ = qdot_row(context, builder, weight_types[1], weights[1], row)
+    scale_row, _ = qdot_row(context, builder, weight_types[2], weights[2], row)
+    with cgutils.for_range(builder, builder.udiv(low_bytes, qdot_index(64))) as loop:
+        group = loop.index  # 128 values
+        low = qdot_load(builder, low_row, builder.mul(group, qdot_index(64)), QDOT_I8, 64)
+        high = qdot_load(builder, high_row, builder.mul(group, qdot_index(32)), QDOT_I8, 32)
+        for k in range(4):  # values 32k .. 32k + 31 of the group
+            source = qdot_lanes(builder, low, 32 * (k % 2), 32)
+            nibble = (builder.and_(source, qdot_bytes(15, 32)) if k < 2
+                      else builder.lshr(source, qdot_bytes(4, 32)))
+            high_bits = builder.and_(builder.lshr(high, qdot_bytes(2 * k, 32)), qdot_bytes(3, 32))
+            q = builder.sub(builder.or_(nibble, builder.shl(high_bits, qdot_bytes(4, 32))),
+                            qdot_bytes(32, 32))
+            q = builder.sitofp(q, qdot_vector_type(QDOT_F32, 32))
+            first_scale = builder.add(builder.mul(group, qdot_index(8)), qdot_index(2 * k))
+            for half in range(2):  # 16 values per scale
+                weights_vector = builder.fmul(
+                    qdot_lanes(builder, q, 16 * half, 16),
+                    qdot_splat(builder, qdot_scalar(builder, scale_row, builder.add(first_scale, qdot_index(half))), 16))
+                start = builder.add(builder.mul(group, qdot_index(128)), qdot_index(32 * k + 16 * half))
+                samples.add_products(weights_vector, start)
+
+
+q6_dots = qdot_intrinsic(q6_loop, 3)
+
+# Each format's products of one weight row: with one row of x, and with QDOT_SAMPLES rows at once
+# (a batch of sequences decoded together; 4 rows' partial sums, 16 vectors of 16 lanes, fill the 32
+# AVX-512 registers by half).
+QDOT_SAMPLES = 4
+q4_row_dot_runs_of_16, q4_rows_dot_runs_of_16 = q4_dots_runs_of_16(1), q4_dots_runs_of_16(QDOT_SAMPLES)
+q4_row_dot_runs_of_32, q4_rows_dot_runs_of_32 = q4_dots_runs_of_32(1), q4_dots_runs_of_32(QDOT_SAMPLES)
+q5_row_dot, q5_rows_dot = q5_dots(1), q5_dots(QDOT_SAMPLES)
+q8_row_dot, q8_rows_dot = q8_dots(1), q8_dots(QDOT_SAMPLES)
+q6_row_dot, q6_rows_dot = q6_dots(1), q6_dots(QDOT_SAMPLES)
 
 
 # --- int8 activations (`pyml generate --activations q8_0`) ----------------------------------------

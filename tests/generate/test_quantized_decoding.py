@@ -287,3 +287,57 @@ def test_activations_the_step_cannot_run_are_refused_in_one_line(weights, activa
 def test_weights_the_fused_step_does_not_know_are_refused_in_one_line():
     with pytest.raises(PymlError, match="--weights must be one of as-stored, f32, q8_0, q4_0, q4_1, not 'Q4_1'"):
         check_weights("Q4_1")
+
+
+# -- a batch of sequences (`pyml serve`): each sequence's bits do not depend on the batch ----------
+
+@pytest.mark.parametrize("ggml", [*STEP_TYPES, None], ids=[t.name for t in STEP_TYPES] + ["dense"])
+def test_linear_row_gives_each_row_the_bits_it_gets_alone(ggml):
+    """Nine rows of x at once (two groups of four and one left over) against each row alone: the
+    same float32 bits, on inputs whose sums round (so a different summation order would show)."""
+    rng = np.random.default_rng(3)
+    kind, arrays, _ = step_layer(ggml, 40, 256, rng)
+    weight = weight_tuple([kind], [arrays], 40, 256)
+    x = rng.normal(0, 1, (9, 256)).astype(np.float32)
+    together = np.full((9, 40), np.nan, np.float32)
+    linear_row(weight, 0, x, together)
+    for row in range(9):
+        np.testing.assert_array_equal(together[row], run_cpu_step(weight, 0, x[row : row + 1])[0])
+
+
+@pytest.mark.parametrize("weights", ["q4_1", "q8_0", "float rows"])
+def test_a_sequence_decodes_the_same_bits_in_any_batch(weights):
+    """Five sequences of different prompts, decoded alone (start_decoding, decode) and in one
+    DecodingBatch that they join and leave at different steps, in changing orders: each one's
+    logits are the same bits at every position."""
+    from pyml.generate.quantized import DecodingBatch
+
+    rng = np.random.default_rng(5)
+    model = tiny.Model()
+    model.params.flat[:] = rng.normal(0, 0.3, model.params.flat.shape)
+    decoder = (QuantizedDecoder.on_float_rows(model) if weights == "float rows"
+               else QuantizedDecoder.load(model, weights, gguf_path=None))
+    prompts = [rng.integers(0, tiny.VOCAB, length).tolist() for length in (3, 7, 1, 12, 5)]
+    tokens = [rng.integers(0, tiny.VOCAB, 10).tolist() for _ in prompts]
+    alone = []
+    for prompt, following in zip(prompts, tokens):
+        cache, logits = decoder.start_decoding(np.array([prompt]), len(prompt) + len(following))
+        alone.append([logits[0]] + [decoder.decode(cache, np.array([t]))[0] for t in following])
+    batch = DecodingBatch(decoder, 4, 32)
+    joins = [0, 0, 2, 3, 6]  # the step at which each sequence joins; at most 4 run at once
+    rows, done, step = {}, {}, 0
+    while len(done) < len(prompts):
+        for n, join in enumerate(joins):
+            if join <= step and n not in rows and n not in done and batch.free:
+                row, logits = batch.add(prompts[n])
+                np.testing.assert_array_equal(logits, alone[n][0])
+                rows[n] = row
+        running = sorted(rows, reverse=step % 2 == 1)  # the batch's order changes every step
+        steps_taken = {n: int(batch.lengths[rows[n]]) - len(prompts[n]) for n in running}
+        logits = batch.step([rows[n] for n in running], [tokens[n][steps_taken[n]] for n in running])
+        for n, row_logits in zip(running, logits):
+            np.testing.assert_array_equal(row_logits, alone[n][steps_taken[n] + 1], err_msg=f"{n}")
+            if steps_taken[n] + 1 == len(tokens[n]):
+                batch.release(rows.pop(n))
+                done[n] = True
+        step += 1

@@ -2,7 +2,8 @@
 a subprocess, and driven by the official `openai` client (and its HTTP client, httpx2, for malformed requests): its
 greedy answers are `pyml generate`'s tokens (pyml.generate.decoding.generate on the same folder),
 streamed or whole; stop strings end the text even across token boundaries; usage counts the tokens;
-answers do not depend on what else is running; bad requests get 400 with OpenAI's error body."""
+answers do not depend on what else is running in the batch; bad requests get 400 with OpenAI's
+error body."""
 
 from __future__ import annotations
 
@@ -142,16 +143,24 @@ def test_a_stop_string_across_two_tokens_ends_the_answer_before_it(server, clien
 
 
 def test_answers_do_not_depend_on_what_else_runs(server, client):
-    """The same sampled requests (seeded), one at a time and then all at once: the same text."""
-    def ask(seed: int) -> str:
-        reply = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=16,
-                                               temperature=0.9, seed=seed)
+    """16 requests, greedy and sampled (seeded), of different lengths, one at a time and then all
+    at once, decoded in batches of up to 8 that they join and leave at different tokens: the same
+    text, token for token. The server is seen running several sequences at once."""
+    def ask(n: int) -> str:
+        messages = [{"role": "user", "content": "the cat sat on the " + "mat " * (n % 5)}]
+        reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6 + n,
+                                               temperature=0.9 if n % 2 else 0, seed=n)
         return reply.choices[0].message.content
 
-    alone = [ask(seed) for seed in range(8)]
-    with ThreadPoolExecutor(8) as pool:
-        together = list(pool.map(ask, range(8)))
+    alone = [ask(n) for n in range(16)]
+    seen = []
+    with ThreadPoolExecutor(17) as pool:
+        answers = pool.map(ask, range(16))
+        while len(seen) < 2000 and max(seen, default=0) < 2:
+            seen.append(httpx.get(f"{server[1]}/health").json()["active"])
+        together = list(answers)
     assert together == alone and len(set(alone)) > 1
+    assert max(seen) > 1  # decoded in a batch, not one after the other
 
 
 def test_64_requests_from_16_clients_are_each_answered_as_alone(server, client):
@@ -176,7 +185,8 @@ def test_a_client_that_leaves_mid_stream_frees_the_decoder(server):
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as response:
         next(response.iter_lines())
     deadline = time.monotonic() + 10
-    while (health := httpx.get(f"{url}/health").json()) != {"status": "ok", "active": 0, "queued": 0}:
+    idle = {"status": "ok", "active": 0, "queued": 0, "max_sequences": 8}
+    while (health := httpx.get(f"{url}/health").json()) != idle:
         assert time.monotonic() < deadline, health
         time.sleep(0.05)
 
@@ -218,9 +228,10 @@ def test_malformed_json_gets_400(server):
 
 @pytest.mark.slow
 def test_beyond_the_queue_a_request_gets_429(smollm2_folder):
-    """SmolLM2 with a queue of one: while one answer is decoded (about 200 tokens, seconds here)
-    and one request waits, a third gets 429 with OpenAI's error body; then the two are answered."""
-    process, url = started(smollm2_folder, "--max-queue", "1")
+    """SmolLM2 with one sequence and a queue of one: while one answer is decoded (about 200
+    tokens, seconds here) and one request waits, a third gets 429 with OpenAI's error body; then
+    the two are answered."""
+    process, url = started(smollm2_folder, "--max-sequences", "1", "--max-queue", "1")
     try:
         story = [{"role": "user", "content": "Write a long story about a cat who sails to Paris."}]
         body = {"model": "m", "messages": story, "max_tokens": 200, "temperature": 0.9, "seed": 1}

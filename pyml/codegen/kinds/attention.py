@@ -54,6 +54,9 @@ class Attention(Kind):
                     kernel(op.prefix, "decode", q, Code("kc"), Code("vc"), Code("n_valid"), y)]
         keys = StepInput(f"{op.prefix}_keys", f"keys[{index}]", "[l]")
         values = StepInput(f"{op.prefix}_values", f"values[{index}]", "[l]")
+        if env.target == "cpu":  # each sequence of the batch into its own cache row, at its position
+            return env.in_parallel(kernel(op.prefix, "decode_rows", q, k, v, keys, values, Code("rows"),
+                                          Code("positions"), window, y))
         return [Call("cache_slot", (window, Code("position")), ("slot", "n_valid")),
                 Call("store_slot", (keys, Code("slot"), k)),
                 Call("store_slot", (values, Code("slot"), v)),

@@ -23,7 +23,7 @@ class Rope(Kind):
     def kernels(self, context: dict) -> dict[str, tuple[str, dict]]:
         # the tables are the model's (`DecoderModel.rope`), filled once by rope_tables
         return {"forward": ("rope_forward", {}), "decode": ("rope_decode", {}),
-                "backward": ("rope_backward", {}), "tables": ("rope_tables", {"theta": context["theta"]})}
+                "decode_rows": ("rope_decode_rows", {}), "backward": ("rope_backward", {}), "tables": ("rope_tables", {"theta": context["theta"]})}
 
     def forward(self, op: Op, env: ForwardEnv) -> list[Statement]:
         x = Act(op.inputs[0])
@@ -31,6 +31,8 @@ class Rope(Kind):
             table = op.attrs["tables"]
             cos = StepInput(f"{table.lower()}_cos", f"tuple(model.rope[t][0] for t in {table})", "[l]")
             sin = StepInput(f"{table.lower()}_sin", f"tuple(model.rope[t][1] for t in {table})", "[l]")
+            if env.target == "cpu":  # each sequence of the batch at its own position
+                return [self.call(op, env, "decode_rows", x, cos, sin, Code("positions"))]
             return [self.call(op, env, "decode", x, cos, sin, Code("position"))]
         if env.mode == "decode":
             return [table_lookup(op), self.call(op, env, "decode", x, Code("cos"), Code("sin"), Code("position"))]

@@ -8,7 +8,7 @@ import *`), so a generated model calls each kernel as `k.name`: the kinds' kerne
 the same for every model (AdamW, the residual joins), and what the rendered kernels call.
 """
 
-from pyml.package.cpu.attention import clear_outside_window, row_start
+from pyml.package.cpu.attention import cache_slot, clear_outside_window, row_start
 from pyml.package.kernels_cpu import (
     adamw_grad_norm,
     adamw_scale,
@@ -55,7 +55,7 @@ from pyml.package.cpu.rmsnorm import (
     rmsnorm_forward,
     rmsnorm_forward_residual,
 )
-from pyml.package.cpu.rope import rope_backward, rope_decode, rope_forward, rope_tables
+from pyml.package.cpu.rope import rope_backward, rope_decode, rope_decode_rows, rope_forward, rope_tables
 from pyml.package.vector_math import (
     MAX_LANES,
     dot_float64,
@@ -74,6 +74,7 @@ __all__ = [
     "layernorm_unbiased_forward",
     "clear_outside_window",
     "row_start",
+    "cache_slot",
     "adamw_grad_norm",
     "adamw_scale",
     "adamw_step",
@@ -109,6 +110,7 @@ __all__ = [
     "rmsnorm_forward_residual",
     "rope_backward",
     "rope_decode",
+    "rope_decode_rows",
     "rope_forward",
     "rope_tables",
     "MAX_LANES",

@@ -102,6 +102,14 @@ def rope_decode(x, cos, sin, position):
             x[b, 0, h, i + half] = x2 * cos[position, i] + x1 * sin[position, i]
 
 
+@njit(cache=True)
+def rope_decode_rows(x, cos, sin, positions):
+    # x is (B, 1, H, head_dim): one new token per sequence, sequence b's at positions[b] (B,), each
+    # rotated by rope_decode alone, so a sequence's result does not depend on the others'.
+    for b in range(x.shape[0]):
+        rope_decode(x[b : b + 1], cos, sin, positions[b])
+
+
 @njit(cache=True, parallel=True)
 def rope_backward(dx, cos, sin, positions):
     # in the forward pass this was (token t of row b at pos = positions[b, t]):
