@@ -10,7 +10,7 @@ SPECS := $(wildcard specs/*.toml)
 export NUMBA_CACHE_DIR ?= $(CURDIR)/.numba_cache
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup demo test test-fast test-slow gen check prove bench bench-llamacpp lint mutants clean
+.PHONY: setup browser demo test test-fast test-slow gen check prove bench bench-llamacpp bench-serve lint mutants clean
 
 setup: $(STAMP)
 
@@ -91,9 +91,17 @@ export TRANSFORMERS_CHAT
 $(MODEL)/model.safetensors: $(STAMP)
 	$(BIN)/pyml import-gguf --out $(MODEL)
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/pyml check
 	$(BIN)/python -m pytest -q
+
+# The chat page's test (tests/generate/test_chat_page.py) drives Debian's chromium through its
+# chromedriver: installed here where this runs as root with apt-get; elsewhere that test is skipped.
+browser:
+	@command -v chromedriver >/dev/null || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null \
+	  || apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 \
+	  || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium chromium-driver >/dev/null 2>&1; } \
+	  || echo "could not install chromium: the chat page's browser test will be skipped"
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
@@ -118,6 +126,21 @@ bench: $(STAMP) $(MODEL)/model.safetensors
 # The registry has only its source: pip builds it with the machine's compiler, a few minutes.
 bench-llamacpp: $(STAMP)
 	$(BIN)/pip install --quiet llama-cpp-python==0.3.36
+
+# `pyml serve` against llama.cpp's server (bench/serve.py): llama-server built from the llama.cpp
+# source vendored in the llama-cpp-python sdist, with CMake (minutes on 2 cores).
+LLAMA_CPP := $(VENV)/share/llama.cpp
+LLAMA_SERVER := $(LLAMA_CPP)/build/bin/llama-server
+$(LLAMA_SERVER): $(STAMP)
+	rm -rf $(LLAMA_CPP) && mkdir -p $(LLAMA_CPP)
+	$(BIN)/pip download --quiet --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d $(LLAMA_CPP)
+	tar -xzf $(LLAMA_CPP)/llama_cpp_python-0.3.36.tar.gz -C $(LLAMA_CPP)
+	cmake -S $(LLAMA_CPP)/llama_cpp_python-0.3.36/vendor/llama.cpp -B $(LLAMA_CPP)/build \
+	  -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+	cmake --build $(LLAMA_CPP)/build --target llama-server -j
+
+bench-serve: $(STAMP) $(MODEL)/model.safetensors $(LLAMA_SERVER)
+	$(BIN)/python bench/serve.py --llama-server $(LLAMA_SERVER)
 
 lint: $(STAMP)
 	$(BIN)/ruff check pyml tests bench demo

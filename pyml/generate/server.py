@@ -5,7 +5,9 @@ validated by Pydantic models, which pyml's specs already use, server-sent events
 response, and uvicorn finishes in-flight requests on SIGTERM before it exits.
 
 Endpoints: POST /v1/chat/completions and /v1/completions (streamed as server-sent events in
-OpenAI's chunk format, ending with `data: [DONE]`, or whole), GET /v1/models and GET /health.
+OpenAI's chunk format, ending with `data: [DONE]`, or whole), GET /v1/models and GET /health; and
+GET /, a chat page (chat_page.html: one static file, no build step) that streams its answers from
+/v1/chat/completions.
 
 Continuous batching: one worker thread decodes up to `--max-sequences` requests at once, one
 token each per step of the fused decode step (pyml.generate.quantized.DecodingBatch), which reads
@@ -20,6 +22,7 @@ bit, and each request samples from its own seeded generator.
 from __future__ import annotations
 
 import asyncio
+from importlib import resources
 import json
 import queue
 import signal
@@ -33,7 +36,7 @@ from typing import Literal
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from pyml.errors import PymlError
@@ -232,6 +235,12 @@ def create_app(engine: Engine) -> FastAPI:
         first = error.errors()[0]
         where = ".".join(str(part) for part in first["loc"] if part != "body") or "body"
         return error_response(400, f"{where}: {first['msg']}", where)
+
+    page = resources.files("pyml.generate").joinpath("chat_page.html").read_text(encoding="utf-8")
+
+    @app.get("/", response_class=HTMLResponse)
+    async def chat_page() -> str:
+        return page
 
     @app.get("/health")
     async def health() -> dict:

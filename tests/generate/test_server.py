@@ -8,10 +8,6 @@ error body."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,38 +17,10 @@ import pytest
 
 from pyml.formats.chat_template import ChatTemplate
 from pyml.generate import decoding
+from tests.support.server_process import started
 
 openai = pytest.importorskip("openai")
-ROOT = Path(__file__).resolve().parents[2]
 QUESTION = [{"role": "user", "content": "the cat sat on the"}]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def started(folder: Path, *options: str):
-    """(the process, its base URL) once `pyml serve --model folder` answers /health."""
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pyml.cli", "serve", "--model", str(folder), "--port", str(port), *options],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"pyml serve did not start: {process.stdout.read()[-3000:]}")
-        time.sleep(0.2)
-    return process, url
 
 
 @pytest.fixture(scope="module")
