@@ -46,7 +46,7 @@ LINEARS = (
 )
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def decode_step(
     positions,
     rows,
