@@ -11,10 +11,10 @@ of this process, each with its own HTTP connection) each send `--requests` strea
 one after the other, every request a different question, greedy, `--max-tokens` at most, usage
 included. Time to first token is from a request's send to its first content chunk; aggregate
 decode tokens/s is every completion token of the round (the usage counts) over the round's wall
-time, first tokens and prefill included, as a user of the server sees it. Each round is run once
-to warm up, then measured.
+time, first tokens and prefill included, as a user of the server sees it. Each concurrency is
+warmed up once, then measured `--repeats` times; the median round by tokens/s is reported.
 
-    python bench/serve.py [--model DIR] [--llama-server PATH] [--max-tokens 64] [--requests 2]
+    python bench/serve.py [--model DIR] [--llama-server PATH] [--max-tokens 64] [--requests 2] [--repeats 3]
 
 Results go to bench/results/serve.{json,md}.
 """
@@ -118,14 +118,17 @@ def round_of(url: str, concurrency: int, requests: int, max_tokens: int) -> dict
             "median_first_token_ms": round(1000 * statistics.median(first_token), 1)}
 
 
-def measure(command: list[str], url: str, max_tokens: int, requests: int) -> list[dict]:
+def measure(command: list[str], url: str, max_tokens: int, requests: int, repeats: int) -> list[dict]:
+    """Each concurrency's round, the median of `repeats` by tokens/s (this machine is shared)."""
     process = started(command, url)
     try:
         round_of(url, 1, 1, 8)  # warms the caches and the thread pools
         rounds = []
         for concurrency in CONCURRENCY:
             round_of(url, concurrency, 1, 16)  # this batch size's buffers allocated
-            rounds.append(round_of(url, concurrency, requests, max_tokens))
+            runs = sorted((round_of(url, concurrency, requests, max_tokens) for _ in range(repeats)),
+                          key=lambda entry: entry["tokens_per_s"])
+            rounds.append(runs[len(runs) // 2])
             print(command[0], json.dumps(rounds[-1]), flush=True)
         return rounds
     finally:
@@ -139,6 +142,7 @@ def main() -> None:
     parser.add_argument("--llama-server", type=Path, default=ROOT / ".venv/share/llama.cpp/build/bin/llama-server")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--requests", type=int, default=2, help="requests per client per round")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds per concurrency; the median is kept")
     args = parser.parse_args()
     if not (args.model / "source.gguf").is_file():
         sys.exit(f"{args.model}: no imported GGUF folder (`make demo` or `pyml import-gguf --out DIR` makes one)")
@@ -147,7 +151,7 @@ def main() -> None:
     if args.llama_server.is_file():
         systems["llama.cpp"] = llama_cpp_command(args.llama_server, args.model, port := free_port())
         urls["llama.cpp"] = f"http://127.0.0.1:{port}"
-    results = {name: measure(command, urls[name], args.max_tokens, args.requests)
+    results = {name: measure(command, urls[name], args.max_tokens, args.requests, args.repeats)
                for name, command in systems.items()}
     report = {"date": date.today().isoformat(), "machine": f"{platform.processor() or platform.machine()}, "
               f"{os.cpu_count()} cores", "model": args.model.name, "max_tokens": args.max_tokens,
@@ -157,7 +161,8 @@ def main() -> None:
     (RESULTS / "serve.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [f"Serving {report['model']} (the GGUF's weights as stored), {report['date']}, "
              f"{report['machine']}: greedy streamed chat requests of up to {args.max_tokens} tokens; "
-             "aggregate tokens/s (x its 1-stream figure), median time to first token.", "",
+             f"aggregate tokens/s (x its 1-stream figure), median time to first token; the median of "
+             f"{args.repeats} rounds.", "",
              "| streams | " + " | ".join(results) + " |", "|---|" + "---|" * len(results)]
     for index, concurrency in enumerate(CONCURRENCY):
         cells = []

@@ -29,7 +29,6 @@ pytestmark = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
 def page(tiny_folders, tmp_path_factory):
     """(the folder, a headless chromium showing the server's chat page)."""
     folder = tiny_folders["llama"]
-    process, url = started(folder)
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     scratch = tmp_path_factory.mktemp("chromium")
@@ -40,12 +39,15 @@ def page(tiny_folders, tmp_path_factory):
         options.add_argument(flag)
     # chromedriver unpacks into TMPDIR, which must exist: the test's own folder
     service = webdriver.ChromeService(CHROMEDRIVER, env=dict(os.environ, TMPDIR=str(scratch)))
-    browser = webdriver.Chrome(options=options, service=service)
+    process, url = started(folder)
     try:
-        browser.get(url)
-        yield folder, browser
+        browser = webdriver.Chrome(options=options, service=service)
+        try:
+            browser.get(url)
+            yield folder, browser
+        finally:
+            browser.quit()
     finally:
-        browser.quit()
         process.terminate()
         assert process.wait(timeout=30) == 0
 
