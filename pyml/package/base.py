@@ -23,6 +23,7 @@ from pyml.package.cpu.loss import IGNORED_TARGET
 from pyml.package.cpu.rope import rope_tables
 from pyml.formats.safetensors_io import read_safetensors, write_safetensors
 
+BUFFER_SHAPES = 4  # the (B, T) shapes whose activation buffers a model keeps
 
 
 def available_memory() -> int:
@@ -270,12 +271,14 @@ class DecoderModel(Model):
             raise PymlError(
                 f"sequence length {T} exceeds the spec's max_seq_len {self.MAX_SEQ_LEN}"
             )
-        if (B, T) not in self.buffers:
-            self.buffers[(B, T)] = (
-                self.Activations(self.device, B, T),
-                self.Gradients(self.device, B, T),
-            )
-        return self.buffers[(B, T)]
+        # the buffers of the last BUFFER_SHAPES shapes used: training runs one shape, but a server
+        # prefills prompts of every length, and keeping each one's buffers grows without end
+        buffers = self.buffers.pop((B, T), None) or (self.Activations(self.device, B, T),
+                                                     self.Gradients(self.device, B, T))
+        self.buffers[(B, T)] = buffers  # the most recent last
+        while len(self.buffers) > BUFFER_SHAPES:
+            del self.buffers[next(iter(self.buffers))]
+        return buffers
 
     def load_batch(self, ids, out, what):
         ids = np.asarray(ids)

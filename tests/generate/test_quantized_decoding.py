@@ -341,3 +341,17 @@ def test_a_sequence_decodes_the_same_bits_in_any_batch(weights):
                 batch.release(rows.pop(n))
                 done[n] = True
         step += 1
+
+
+def test_prefills_of_every_length_keep_the_buffers_of_a_few():
+    """A server prefills prompts of every length: the model keeps the buffers of the last
+    BUFFER_SHAPES shapes only, so its memory does not grow with the lengths it has seen."""
+    from pyml.generate.quantized import DecodingBatch
+    from pyml.package.base import BUFFER_SHAPES
+
+    model = tiny.Model()
+    batch = DecodingBatch(QuantizedDecoder.on_float_rows(model), 1, 32)
+    for length in range(1, 20):
+        row, _ = batch.add(list(range(1, length + 1)))
+        batch.release(row)
+    assert list(model.buffers) == [(1, length) for length in range(20 - BUFFER_SHAPES, 20)]
