@@ -6,6 +6,7 @@ a refused request shows the server's error in the page."""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from pathlib import Path
@@ -52,11 +53,16 @@ def page(tiny_folders, tmp_path_factory):
         assert process.wait(timeout=30) == 0
 
 
+@functools.cache
+def decoder_of(folder: Path):
+    return decoding.load_decoder(folder)
+
+
 def generated_reply(folder: Path, conversation: list[dict], max_tokens: int) -> str:
     text = ChatTemplate.of_folder(folder).render(conversation, add_generation_prompt=True)
     tokenizer = decoding.load_tokenizer(folder)
     ids = tokenizer.encode(text, add_special_tokens=False).ids
-    decoder = decoding.load_decoder(folder)
+    decoder = decoder_of(folder)
     room = decoder.model.MAX_SEQ_LEN - len(ids)  # the server stops at the context's end
     return decoding.generate(decoder, tokenizer, ids, min(max_tokens, room), decoding.eos_ids(folder),
                              out=None).text
