@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -27,12 +28,14 @@ pytestmark = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
 
 
 @pytest.fixture(scope="module")
-def page(tiny_folders, tmp_path_factory):
+def page(tiny_folders):
     """(the folder, a headless chromium showing the server's chat page)."""
     folder = tiny_folders["llama"]
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    scratch = tmp_path_factory.mktemp("chromium")
+    # chromium binds a Unix socket under TMPDIR and its profile; such a path holds at most 107 bytes,
+    # which a deep TMPDIR (make mutants' scratch tree) exceeds: its files go to a short folder
+    scratch = Path(tempfile.mkdtemp(prefix="pyml-chromium-", dir="/tmp"))
     # a closed network: no background connections, no sandbox (as root), a fresh profile
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                  "--no-first-run", "--disable-background-networking", "--disable-component-update",
@@ -50,6 +53,7 @@ def page(tiny_folders, tmp_path_factory):
             browser.quit()
     finally:
         process.terminate()
+        shutil.rmtree(scratch, ignore_errors=True)
         assert process.wait(timeout=30) == 0
 
 
