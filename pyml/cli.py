@@ -360,6 +360,7 @@ def serve(
     max_sequences: Annotated[int, typer.Option(help="Requests decoded together, one token each per step.")] = 8,
     max_queue: Annotated[int, typer.Option(help="Requests that may wait for a place in the batch; beyond them a request gets HTTP 429.")] = 16,
     context: Annotated[int | None, typer.Option(help="Positions per sequence (prompt and answer); default: the model's max_seq_len, at most 2048.")] = None,
+    prefill_chunk: Annotated[int, typer.Option(help="Prompt tokens prefilled per decoding step, between the other requests' tokens.")] = 32,
     weights: Annotated[str, typer.Option(help="As `pyml generate --weights`.")] = "as-stored",
     activations: Annotated[str, typer.Option(help="As `pyml generate --activations`.")] = "f32",
 ) -> None:
@@ -371,7 +372,8 @@ def serve(
     except ModuleNotFoundError as error:
         raise PymlError(f"pyml serve needs {error.name}: install pyml with its [serve] extra "
                         "(or pip install fastapi uvicorn)") from None
-    run_server(model, host, port, max_queue, adapter, weights, activations, max_sequences, context)
+    run_server(model, host, port, max_queue, adapter, weights, activations, max_sequences, context,
+               prefill_chunk)
 
 
 @app.command("eval")

@@ -11,8 +11,8 @@ token costs one call from Python; on CUDA it is a Python function that launches 
 and never waits for the device, since a kernel cannot launch the next. Shapes are those of one
 position (T = 1) of each sequence decoded: on the CPU a batch of B sequences (N = B), each at its
 own position and in its own row of the caches, each computed as it would be alone, so that a
-sequence's tokens do not depend on the batch it runs in (`pyml serve`); on CUDA one sequence
-(B = N = 1).
+sequence's tokens do not depend on the batch it runs in (`pyml serve`), the LM head on the first
+n_logits of them only; on CUDA one sequence (B = N = 1).
 
 The step's arguments are listed once (`Argument`), so the Numba function's parameters and the
 Python expressions that supply them (`step_arguments`) cannot disagree.
@@ -58,6 +58,9 @@ class FusedStep:
 
     def __init__(self, graph: Graph, target: str):
         self.graph, self.target = graph, target
+        # on the CPU the tail (the final norm, the LM head) runs on the first n_logits entries only:
+        # a prompt's chunk needs the logits of its last position at most
+        self.rows = ""
         self.arguments: list[Argument] = [Argument("ids", "c.ids")]
         self.views: list[str] = []
         # (op prefix, weight parameter, bias parameter or None, the weight's tensors)
@@ -73,10 +76,10 @@ class FusedStep:
         graph, value = self.graph, self.graph.values[name]
         storage = graph.storages[value.storage]
         if storage.scope == "stream":
-            return "stream_out" if value.position == "out" else "stream_in"
+            return ("stream_out" if value.position == "out" else "stream_in") + self.rows
         self.argument(storage.name, f"c.{storage.name}")
         if not value.view:
-            return storage.name
+            return storage.name + self.rows
         if name not in (line.split(" = ")[0] for line in self.views):
             shape = one_position(storage.shape, self.target)
             if value.view == "rows":
@@ -88,7 +91,7 @@ class FusedStep:
                 text = (f"{storage.name}.reshape({shape_text((rows, *shape[-2:]))})"
                         f"[:, {value.start}:{value.stop}]")
             self.views.append(f"{name} = {text}")
-        return name
+        return name + self.rows
 
     def param(self, attr: str) -> str:
         """A parameter; a per-layer one indexed by the layer: on the CPU stacked (layers, ...), on
@@ -147,7 +150,10 @@ class FusedStep:
 
 def decode_context(graph: Graph, target: str) -> dict:
     step = FusedStep(graph, target)
-    head, block, tail = step.lines(graph.head), step.lines(graph.block), step.lines(graph.tail)
+    head, block = step.lines(graph.head), step.lines(graph.block)
+    if target == "cpu":
+        step.rows = "[:n_logits]"
+    tail = step.lines(graph.tail)
     step.argument("stream_in", "c.stream_in")
     step.argument("stream_out", "c.stream_out")
     constants = sorted({op.attrs[key] for op in graph.block for key in ("tables", "window")

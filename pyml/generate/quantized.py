@@ -24,16 +24,19 @@ with the same weights copied to the GPU.
                part from the float32 path's. Only Q4_0, Q4_1 and Q8_0 weights run it; the other
                formats keep float32 activations. CPU only.
 
-The prompt runs through the float32 package's matrix-matrix forward (prefill), whose keys and
-values seed the fused step's cache. Both run the same weights: as-stored, the folder's float32
-weights are the GGUF's dequantized (that is what import-gguf writes); quantized from float32, the
-float32 model's linear weights are replaced by the dequantization of their quantized blocks.
-Training never sees any of this: it loads the float32 folder.
+On the CPU the prompt runs through the same step, PREFILL_CHUNK tokens of it per step
+(`DecodingBatch`), so a prompt's keys and values are the step's own, whatever its length and
+whatever runs beside it. On CUDA it runs through the float32 package's matrix-matrix forward
+(prefill), whose keys and values seed the step's cache, on the same weights: as-stored, the
+folder's float32 weights are the GGUF's dequantized (that is what import-gguf writes); quantized
+from float32, the float32 model's linear weights are replaced by the dequantization of their
+quantized blocks. Training never sees any of this: it loads the float32 folder.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -44,6 +47,7 @@ from pyml.errors import PymlError
 from pyml.formats.gguf_quantized import quantized_matrix
 from pyml.formats.quant import GGMLType, dequantize
 from pyml.formats.quantize import quantize
+from pyml.package.base import BUFFER_SHAPES
 from pyml.package.decode_cpu import (
     DENSE,
     Q4_RUNS_OF_16,
@@ -68,6 +72,8 @@ STEP_KINDS = {GGMLType.Q4_0: Q4_RUNS_OF_16, GGMLType.Q4_1: Q4_RUNS_OF_16,
 # bytes of packed values per weight: layers of one op may differ in type where this agrees
 PACKED_PER_VALUE = {GGMLType.Q4_0: 0.5, GGMLType.Q4_1: 0.5, GGMLType.Q4_K: 0.5, GGMLType.Q5_0: 0.5,
                     GGMLType.Q6_K: 0.5, GGMLType.Q8_0: 1}
+# prompt tokens per step (DecodingBatch): a longer prompt is prefilled over several steps
+PREFILL_CHUNK = 32
 
 
 def check_weights(weights: str, activations: str = "f32") -> None:
@@ -93,11 +99,10 @@ def decode_module(model) -> ModuleType:
                         f"package generated before it existed needs `pyml gen`): use --weights f32") from None
 
 
-def weight_tuple(kinds: list[int], layers: list[dict[str, np.ndarray]], rows: int, columns: int) -> tuple:
-    """The step's (kinds, packed, high, scale, offset, dense, x_values, x_scale, x_total): the kind
-    of each layer, each array stacked (layers, rows, width), as wide as its widest layer
-    (pyml/package/decode_cpu.py says why the padding is never read), width 0 where no layer has
-    it, and room for the input of `columns` values rounded to int8. Dense rows keep the model's
+def weight_tuple(kinds: list[int], layers: list[dict[str, np.ndarray]], rows: int) -> tuple:
+    """The step's (kinds, packed, high, scale, offset, dense): the kind of each layer, each array
+    stacked (layers, rows, width), as wide as its widest layer (pyml/package/decode_cpu.py says
+    why the padding is never read), width 0 where no layer has it. Dense rows keep the model's
     dtype."""
     arrays = []
     for name in ("packed", "high", "scale", "offset", "dense"):
@@ -112,9 +117,7 @@ def weight_tuple(kinds: list[int], layers: list[dict[str, np.ndarray]], rows: in
                 array = layer[name].view(np.uint8) if raw else layer[name]
                 stacked[index, :, :array.shape[1]] = array
         arrays.append(stacked)
-    rounded_input = (np.zeros((1, columns), np.int8), np.zeros((1, columns // 32), np.float32),
-                     np.zeros((1, columns // 32), np.int32))
-    return (np.array(kinds, np.int64), *arrays, *rounded_input)
+    return (np.array(kinds, np.int64), *arrays)
 
 
 def rows_by_16(array: np.ndarray, per_block: int) -> np.ndarray:
@@ -131,14 +134,14 @@ def rows_by_16(array: np.ndarray, per_block: int) -> np.ndarray:
     return np.ascontiguousarray(split.transpose(0, 2, 3, 1, 4)).reshape(groups, -1)
 
 
-def with_int8_activations(weight: tuple) -> tuple:
-    """`weight` with its Q4_0, Q4_1 and Q8_0 layers multiplying int8-rounded activations: their
-    values, scales and offsets repacked rows by 16, the scales and offsets as float16 (the GGUF's
-    own precision, so the bytes a token reads are the GGUF's), every array's rows padded to a
-    multiple of 16 (the other kinds never read the padding). A layer's repacked group of 16 rows
-    fills the start of that group's 16 stack rows, which is where the kernel reads it; a scale or
-    offset stack that only those layers use is half as wide (float32 columns holding float16
-    pairs)."""
+def with_int8_activations(weight: tuple, columns: int) -> tuple:
+    """`weight` (rows of `columns` values) with its Q4_0, Q4_1 and Q8_0 layers multiplying
+    int8-rounded activations: their values, scales and offsets repacked rows by 16, the scales
+    and offsets as float16 (the GGUF's own precision, so the bytes a token reads are the GGUF's),
+    every array's rows padded to a multiple of 16 (the other kinds never read the padding). A
+    layer's repacked group of 16 rows fills the start of that group's 16 stack rows, which is
+    where the kernel reads it; a scale or offset stack that only those layers use is half as wide
+    (float32 columns holding float16 pairs)."""
     kinds, *arrays = weight
     new_kinds = np.array([INT8_ACTIVATION_KINDS.get(int(kind), kind) for kind in kinds], np.int64)
     repacked = np.isin(new_kinds, (Q4_RUNS_OF_16_X8, Q8_X8))
@@ -154,7 +157,6 @@ def with_int8_activations(weight: tuple) -> tuple:
             padded[:, :rows] = stack
         stacks.append(padded)
     packed, _, scale, offset, _ = stacks
-    columns = arrays[5].shape[1]
     for layer, kind in enumerate(new_kinds):
         if not repacked[layer]:
             continue
@@ -175,14 +177,14 @@ def with_int8_activations(weight: tuple) -> tuple:
                 groups, order = groups.view(np.float16), halves
                 groups[:] = 0  # the float32 values this layer's rows held
             groups[:, :order.shape[1]] = order
-    return (new_kinds, *stacks, *arrays[5:])
+    return (new_kinds, *stacks)
 
 
 def float_rows(model, param) -> tuple:
     """A weight parameter as the step's float rows: the values the folder holds, read without BLAS."""
     matrices = [model.device.to_host(matrix) for matrix in layer_weights(param)]
     return weight_tuple([DENSE] * len(matrices), [{"dense": matrix} for matrix in matrices],
-                        *matrices[0].shape)
+                        len(matrices[0]))
 
 
 def float_row_weights(model, linears) -> tuple[dict[str, tuple], dict[str, str]]:
@@ -221,7 +223,7 @@ def requantized_weights(model, linears, target: GGMLType) -> tuple[dict[str, tup
             raw = quantize(model.device.to_host(weight), target).reshape(-1)
             model.device.to_device(dequantize(raw, target, (rows, columns)), weight)
             layers.append(kept_arrays(target, quantized_matrix(raw, int(target), (rows, columns)).arrays))
-        weights[prefix] = weight_tuple([STEP_KINDS[target]] * len(layers), layers, rows, columns)
+        weights[prefix] = weight_tuple([STEP_KINDS[target]] * len(layers), layers, rows)
     return weights, {prefix: target.name for prefix in weights}
 
 
@@ -261,8 +263,7 @@ def stored_weights(model, linears, gguf_path: Path) -> tuple[dict[str, tuple], d
                 order = architecture.hf_weight(name, np.arange(tensor.shape[0])[:, None])[:, 0]
                 parts.append(matrix.rows(order).arrays)
             layers.append(kept_arrays(ggml_type, tuple(np.concatenate(arrays) for arrays in zip(*parts))))
-        weights[prefix] = weight_tuple([STEP_KINDS[t] for t in layer_types], layers,
-                                       len(layers[0]["packed"]), layer_weights(param)[0].shape[1])
+        weights[prefix] = weight_tuple([STEP_KINDS[t] for t in layer_types], layers, len(layers[0]["packed"]))
         formats[prefix] = "/".join(sorted({t.name for t in layer_types}))
     return weights, formats
 
@@ -281,73 +282,99 @@ class FusedCache:
 class DecodingBatch:
     """The CPU step's sequences: the keys and values of up to `capacity` sequences of up to
     `max_len` positions each, one row of the caches per sequence (attention op i's keys and values:
-    (layers, capacity, slots, kv heads, head dim)), and each sequence's length. `add` prefills a
-    sequence into a free row, `step` decodes one token for any of them at once, `release` frees a
-    row. A sequence's logits are the same whichever rows run beside it (the step computes each
-    row as it would alone), so what `pyml serve` answers does not depend on the load."""
+    (layers, capacity, slots, kv heads, head dim)), and how many positions of each the caches hold.
 
-    def __init__(self, decoder: QuantizedDecoder, capacity: int, max_len: int):
+    `add` gives a prompt a free row; `step` runs one decode step on the next token of any rows
+    and, in the same step, up to `chunk` tokens of the prompts not yet in the caches (in the order
+    they were added), each token an entry of the batch at its own position; `release` frees a
+    row. So a long prompt is prefilled a chunk per step, between the other sequences' tokens, on
+    the same weights and in the same step as they are. Every entry is computed as it would be
+    alone (the linear maps give each its own sums in a fixed order, attention reads its own row),
+    so a sequence's logits do not depend on the load: not on the rows beside it, their order, or
+    how its prompt was split into chunks."""
+
+    def __init__(self, decoder: QuantizedDecoder, capacity: int, max_len: int, chunk: int = PREFILL_CHUNK):
         model = decoder.model
         if max_len > model.MAX_SEQ_LEN:
             raise PymlError(f"{max_len} positions exceed the spec's max_seq_len {model.MAX_SEQ_LEN}")
-        self.decoder, self.capacity, self.max_len = decoder, capacity, max_len
-        template = model.DecodeBuffers(model.device, 1, max_len)  # the slots each layer needs
+        self.decoder, self.capacity, self.max_len, self.chunk = decoder, capacity, max_len, chunk
         self.keys, self.values = [], []
-        for layer_keys in template.keys:
-            slots = max(array.shape[1] for array in layer_keys)
-            shape = (len(layer_keys), capacity, slots, *layer_keys[0].shape[2:])
-            self.keys.append(np.zeros(shape, layer_keys[0].dtype))
-            self.values.append(np.zeros(shape, layer_keys[0].dtype))
+        for attention in sys.modules[type(model).__module__].ATTENTIONS:
+            # a sliding layer's ring: its window, and room for the positions a step adds (decode_rows)
+            slots = max(min(window + chunk - 1, max_len) if window else max_len for window in attention["windows"])
+            shape = (len(attention["windows"]), capacity, slots, attention["n_kv_heads"], attention["head_dim"])
+            self.keys.append(np.zeros(shape, model.device.dtype))
+            self.values.append(np.zeros(shape, model.device.dtype))
         self.lengths = np.zeros(capacity, np.int64)
+        self.prompts: dict[int, list[int]] = {}  # by row: the prompt's tokens not yet in the caches
         self.free = list(range(capacity - 1, -1, -1))
-        self.steps: dict[int, tuple] = {}  # batch size -> (one-position buffers, step arguments)
+        self.steps: dict[int, tuple] = {}  # entries -> (one-position buffers, step arguments)
 
-    def add(self, prompt_ids) -> tuple[int, np.ndarray]:
-        """Prefill `prompt_ids` (a list of ids) into a free row: (the row, the logits (VOCAB,) of
-        the prompt's last position)."""
+    def add(self, prompt_ids) -> int:
+        """Give `prompt_ids` (a list of ids) a free row, to be prefilled by the next steps: the row."""
         if not self.free:
             raise PymlError(f"all {self.capacity} sequences of the batch are in use")
-        if len(prompt_ids) > self.max_len:
-            raise PymlError(f"the prompt has {len(prompt_ids)} tokens, more than the {self.max_len} "
-                            "positions of a sequence")
-        # the float32 prefill: its caches hold the prompt's positions in the slots the step uses
-        cache, logits = self.decoder.model.start_decoding(np.array([prompt_ids]), len(prompt_ids))
+        if not 0 < len(prompt_ids) <= self.max_len:
+            raise PymlError(f"the prompt has {len(prompt_ids)} tokens: a sequence takes 1 to "
+                            f"{self.max_len}")
         row = self.free.pop()
-        for index, (layer_keys, layer_values) in enumerate(zip(cache.keys, cache.values)):
-            for layer, (keys, values) in enumerate(zip(layer_keys, layer_values)):
-                self.keys[index][layer, row, : keys.shape[1]] = keys[0]
-                self.values[index][layer, row, : values.shape[1]] = values[0]
-        self.lengths[row] = len(prompt_ids)
-        return row, logits[0]
+        self.prompts[row] = list(prompt_ids)
+        return row
 
-    def step(self, rows: list[int], next_ids: list[int]) -> np.ndarray:
-        """Append token next_ids[i] to the sequence in row rows[i], for every i at once: the
-        logits (len(rows), VOCAB), row i for rows[i]."""
-        rows = np.asarray(rows, np.int64)
-        full = rows[self.lengths[rows] >= self.max_len]
-        if full.size:
+    def step(self, next_ids: dict[int, int]) -> dict[int, np.ndarray]:
+        """Append token next_ids[row] to the sequence in each given row, and the next chunk of the
+        prompts waiting: the logits (VOCAB,) of each row that has a next token to draw, the given
+        rows and those whose prompt's last token was in this step."""
+        # (row, token, position): first those whose logits are drawn from (the step computes the
+        # logits of its first entries only; the entries' order changes nothing else), then the
+        # rest of the prompts' chunks
+        drawn = [(row, token, int(self.lengths[row])) for row, token in next_ids.items()]
+        if any(position >= self.max_len for _, _, position in drawn):
             raise PymlError(f"the decoding cache is full ({self.max_len} positions)")
-        batch = len(rows)
-        if batch not in self.steps:
+        prefilled, budget = [], self.chunk
+        for row in list(self.prompts):
+            if budget == 0:
+                break
+            prompt, start = self.prompts[row], int(self.lengths[row])
+            taken = [(row, token, start + offset) for offset, token in enumerate(prompt[start : start + budget])]
+            budget -= len(taken)
+            if taken[-1][2] + 1 == len(prompt):  # the prompt's last position: its logits are drawn from
+                del self.prompts[row]
+                drawn.append(taken.pop())
+            prefilled += taken
+        entries = drawn + prefilled
+        if not entries:
+            return {}
+        rows, ids, positions = (np.array(column, np.int64) for column in zip(*entries))
+        buffers, arguments = self.step_for(len(entries))
+        self.decoder.model.load_batch(ids[:, None], buffers.ids, "next_ids")
+        self.decoder.step.decode_step(positions, rows, len(drawn), *arguments)
+        np.maximum.at(self.lengths, rows, positions + 1)
+        return {row: buffers.logits[entry].copy() for entry, (row, _, _) in enumerate(drawn)}
+
+    def step_for(self, entries: int) -> tuple:
+        """The one-position buffers of `entries` rows and the step's arguments on them (the last
+        BUFFER_SHAPES sizes are kept: a step's size changes with the prompts it prefills)."""
+        if entries not in self.steps:
+            if len(self.steps) == BUFFER_SHAPES:
+                del self.steps[next(iter(self.steps))]
             model, decoder = self.decoder.model, self.decoder
-            buffers = model.DecodeBuffers(model.device, batch, 1)  # its own cache is not used
-            self.steps[batch] = buffers, decoder.step.step_arguments(model, buffers, decoder.weights,
-                                                                     self.keys, self.values)
-        buffers, arguments = self.steps[batch]
-        self.decoder.model.load_batch(np.reshape(next_ids, (-1, 1)), buffers.ids, "next_ids")
-        self.decoder.step.decode_step(self.lengths[rows], rows, *arguments)
-        self.lengths[rows] += 1
-        return buffers.logits.copy()
+            buffers = model.DecodeBuffers(model.device, entries, 1)  # its own cache is not used
+            self.steps[entries] = buffers, decoder.step.step_arguments(model, buffers, decoder.weights,
+                                                                       self.keys, self.values)
+        self.steps[entries] = self.steps.pop(entries)  # the most recently used last
+        return self.steps[entries]
 
     def release(self, row: int) -> None:
         self.lengths[row] = 0
+        self.prompts.pop(row, None)
         self.free.append(row)
 
 
 class QuantizedDecoder:
-    """A float32 model for the prompt and the decode step of its device on `weights` for each new
-    token; what `pyml.generate.decoding.generate` calls (start_decoding, decode) as on a package's
-    Model."""
+    """The decode step of a float32 model's device on `weights` (on CUDA the float32 model
+    prefills the prompt); what `pyml.generate.decoding.generate` calls (start_decoding, decode)
+    as on a package's Model."""
 
     def __init__(self, model, step: ModuleType, weights: dict[str, tuple], formats: dict[str, str]):
         if model.device.name == "cuda":
@@ -366,8 +393,10 @@ class QuantizedDecoder:
         else:
             kept, formats = requantized_weights(model, step.LINEARS, QUANTIZE_TO[weights])
         if activations == "q8_0":
+            columns = {prefix: layer_weights(getattr(model.params, attr))[0].shape[1]
+                       for prefix, attr, _, _ in step.LINEARS}
             for prefix, weight in kept.items():
-                kept[prefix] = with_int8_activations(weight)
+                kept[prefix] = with_int8_activations(weight, columns[prefix])
                 rounded = {int(kind) for kind in kept[prefix][0]} & set(INT8_ACTIVATION_KINDS.values())
                 if rounded:
                     formats[prefix] += (" x Q8_0 activations" if len(rounded) == len(set(kept[prefix][0]))
@@ -396,7 +425,10 @@ class QuantizedDecoder:
             raise PymlError("the fused decode step starts one sequence at a time")
         if self.model.device.name == "cpu":
             batch = DecodingBatch(self, 1, max_len)
-            return batch, batch.add(list(np.asarray(prompt_ids)[0]))[1][None]
+            row, logits = batch.add(list(np.asarray(prompt_ids)[0])), {}
+            while not logits:
+                logits = batch.step({})
+            return batch, logits[row][None]
         # the CUDA step takes the float32 cache's own arrays
         cache, logits = self.model.start_decoding(prompt_ids, max_len)
         arguments = self.step.step_arguments(self.model, cache, self.weights, cache.keys, cache.values)
@@ -405,7 +437,7 @@ class QuantizedDecoder:
     def decode(self, cache, next_ids):
         """The next token's logits (1, VOCAB) of a sequence `start_decoding` began."""
         if isinstance(cache, DecodingBatch):
-            return cache.step([0], list(np.reshape(next_ids, -1)))
+            return cache.step({0: int(np.reshape(next_ids, -1)[0])})[0][None]
         if cache.length >= cache.max_len:
             raise PymlError(f"the decoding cache is full ({cache.max_len} positions)")
         self.model.load_batch(np.reshape(next_ids, (-1, 1)), cache.buffers.ids, "next_ids")

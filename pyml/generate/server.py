@@ -12,8 +12,9 @@ GET /, a chat page (chat_page.html: one static file, no build step) that streams
 Continuous batching: one worker thread decodes up to `--max-sequences` requests at once, one
 token each per step of the fused decode step (pyml.generate.quantized.DecodingBatch), which reads
 each weight row once for all of them. A request joins the batch at the next token boundary once a
-sequence's row is free (its prompt prefilled first, whole: chunked prefill is not built, so a long
-prompt holds the others for its prefill), and leaves it when it ends or its client disconnects.
+sequence's row is free; its prompt is prefilled in the same steps, `--prefill-chunk` tokens per
+step, so a long prompt does not hold the others for its whole prefill; it leaves the batch when it
+ends or its client disconnects.
 Beyond the batch, requests wait in a queue of `--max-queue`; beyond that a request gets HTTP 429.
 Answers do not depend on the load: the step computes each sequence as it would alone, bit for
 bit, and each request samples from its own seeded generator.
@@ -42,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pyml.errors import PymlError
 from pyml.formats.chat_template import ChatTemplate
 from pyml.generate import decoding
-from pyml.generate.quantized import DecodingBatch, QuantizedDecoder
+from pyml.generate.quantized import PREFILL_CHUNK, DecodingBatch, QuantizedDecoder
 
 
 class Message(BaseModel):
@@ -124,18 +125,18 @@ class Sequence:
 
 class Engine:
     """The model, its tokenizer and template, and the worker thread that decodes the queued jobs
-    in one batch of up to `max_sequences`, each of up to `context` positions."""
+    in one batch of up to `max_sequences`, each of up to `context` positions, prefilling prompts
+    `prefill_chunk` tokens per step."""
 
     def __init__(self, model_dir: Path, decoder, name: str, max_queue: int, max_sequences: int,
-                 context: int):
-        self.model_dir, self.name = model_dir, name
+                 context: int, prefill_chunk: int):
+        self.name = name
         self.tokenizer = decoding.load_tokenizer(model_dir)
         self.template = ChatTemplate.of_folder(model_dir)
         self.eos = decoding.eos_ids(model_dir)
-        self.batch = DecodingBatch(decoder, max_sequences, context)
-        self.context = context
+        self.batch = DecodingBatch(decoder, max_sequences, context, prefill_chunk)
         self.jobs: queue.Queue[Job] = queue.Queue(max_queue)
-        self.running: dict[int, Sequence] = {}  # by row
+        self.running: dict[int, Sequence] = {}  # by row, those whose prompt is being prefilled too
         self.worker = threading.Thread(target=self.run, name="pyml-decoder", daemon=True)
         self.worker.start()
 
@@ -147,20 +148,20 @@ class Engine:
         while True:
             try:
                 self.admit()
-                running = list(self.running.values())
-                if running:
-                    logits = self.batch.step([sequence.row for sequence in running],
-                                             [sequence.new_ids[-1] for sequence in running])
-                    for sequence, row_logits in zip(running, logits):
-                        self.advance(sequence, row_logits)
+                for sequence in [s for s in self.running.values() if s.job.cancelled.is_set()]:
+                    self.leave(sequence)
+                # one step: the next token of each sequence that has one, a chunk of the prompts
+                decoding = {row: s.new_ids[-1] for row, s in self.running.items() if s.new_ids}
+                for row, logits in self.batch.step(decoding).items():
+                    self.advance(self.running[row], logits)
             except Exception as error:  # a bug must not kill the worker: the running requests fail
                 for sequence in list(self.running.values()):
                     sequence.job.emit("error", str(error))
                     self.leave(sequence)
 
     def admit(self) -> None:
-        """Take queued jobs into the free rows (waiting for one when nothing runs): each one's
-        prompt is prefilled and its first token drawn from the prompt's logits."""
+        """Take queued jobs into the free rows (waiting for one when nothing runs); their prompts
+        are prefilled by the next steps, and each one's first token drawn from its prompt's logits."""
         while self.batch.free:
             try:
                 job = self.jobs.get(block=not self.running)
@@ -169,22 +170,17 @@ class Engine:
             if job.cancelled.is_set():
                 continue
             try:
-                row, logits = self.batch.add(job.prompt_ids)
+                row = self.batch.add(job.prompt_ids)
             except Exception as error:
                 job.emit("error", str(error))
                 continue
-            sequence = Sequence(job, row, np.random.default_rng(job.seed))
-            self.running[row] = sequence
-            self.advance(sequence, logits)
+            self.running[row] = Sequence(job, row, np.random.default_rng(job.seed))
 
     def advance(self, sequence: Sequence, logits: np.ndarray) -> None:
         """Draw the sequence's next token from `logits` and send the text that can no longer be
         part of a stop string; end it at an end-of-turn token, a stop string (left out of the
-        text), max_tokens (the context's end included) or its job's cancellation."""
+        text) or max_tokens (the context's end included)."""
         job, new_ids = sequence.job, sequence.new_ids
-        if job.cancelled.is_set():
-            self.leave(sequence)
-            return
         token = job.sampler.next_token(logits, sequence.rng, job.prompt_ids, new_ids)
         new_ids.append(token)
         text = self.tokenizer.decode(new_ids)  # an end-of-turn token decodes to nothing
@@ -272,10 +268,10 @@ def create_app(engine: Engine) -> FastAPI:
         if unsupported:
             return error_response(400, f"{unsupported[0]} is not supported by pyml serve yet",
                                   unsupported[0])
-        room = engine.context - len(ids)
+        room = engine.batch.max_len - len(ids)
         if room < 1:
             return error_response(400, f"{field_name}: the prompt has {len(ids)} tokens; the "
-                                  f"context holds {engine.context}", field_name)
+                                  f"context holds {engine.batch.max_len}", field_name)
         asked = body.max_completion_tokens or body.max_tokens
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if any(not stop for stop in stops) or len(stops) > 4:
@@ -381,14 +377,14 @@ class Reply:
 
 def serve(model_dir: Path, host: str, port: int, max_queue: int, adapter: Path | None = None,
           weights: str = "as-stored", activations: str = "f32", max_sequences: int = 8,
-          context: int | None = None) -> None:
+          context: int | None = None, prefill_chunk: int = PREFILL_CHUNK) -> None:
     """Load the folder's model and serve it until SIGTERM or Ctrl-C: new connections are refused,
     the requests in flight get DRAIN_SECONDS to finish, and a SIGTERM exits with status 0.
     `context` (positions per sequence) defaults to the model's max_seq_len, at most DEFAULT_CONTEXT."""
     import uvicorn
 
     for option, value in (("--max-queue", max_queue), ("--max-sequences", max_sequences),
-                          ("--context", context)):
+                          ("--context", context), ("--prefill-chunk", prefill_chunk)):
         if value is not None and value < 1:
             raise PymlError(f"{option} must be at least 1, not {value}")
     model_dir = Path(model_dir)
@@ -399,7 +395,7 @@ def serve(model_dir: Path, host: str, port: int, max_queue: int, adapter: Path |
     if context is not None and context > max_seq_len:
         raise PymlError(f"--context {context} exceeds the model's max_seq_len {max_seq_len}")
     engine = Engine(model_dir, decoder, model_dir.resolve().name, max_queue, max_sequences,
-                    context or min(max_seq_len, DEFAULT_CONTEXT))
+                    context or min(max_seq_len, DEFAULT_CONTEXT), prefill_chunk)
     # uvicorn drains on SIGTERM, then raises the signal again under the handler it found: this one
     # lets the drained server return, so a SIGTERM ends it with status 0
     signal.signal(signal.SIGTERM, lambda signum, frame: None)

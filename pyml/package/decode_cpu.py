@@ -4,13 +4,12 @@ count of the pool's next parallel loops (the step wakes the pool for its matrix-
 and attention only).
 
 A linear op's weights arrive as one tuple, the same types for every format, so that one compiled
-step serves any mix of formats: (kinds, packed, high, scale, offset, dense, x_values, x_scale,
-x_total), `kinds` the kind of each layer (int64) and each weight array stacked by layer (layers,
-rows, ...), C-contiguous; a model-level weight (the tied LM head) has one layer. The last three
-are the op's input rounded to int8 (quantized_dot.round_activations_q8: (1, in) int8, (1, in / 32)
-float32 and int32), written by the kinds that round it, Q4_RUNS_OF_16_X8 and Q8_X8 (`pyml
-generate --activations q8_0`): Q4_0/Q4_1 and Q8_0 weights repacked rows by 16 (quantized_dot.py
-gives the layout; rows padded to a multiple of 16), times int8 activations. Layers of different
+step serves any mix of formats: (kinds, packed, high, scale, offset, dense), `kinds` the kind of
+each layer (int64) and each weight array stacked by layer (layers, rows, ...), C-contiguous; a
+model-level weight (the tied LM head) has one layer. The kinds Q4_RUNS_OF_16_X8 and Q8_X8 (`pyml
+generate --activations q8_0`) round the op's input to int8 first
+(quantized_dot.round_activations_q8), and multiply it by Q4_0/Q4_1 and Q8_0 weights repacked rows
+by 16 (quantized_dot.py gives the layout; rows padded to a multiple of 16). Layers of different
 kinds share a stack when their packed values have one width (Q4_K and Q6_K: in/2): each array is
 as wide as its widest layer, and a kernel reads a row of scales or high bits from its start, so
 the padding past a layer's own width is never read.
@@ -47,8 +46,11 @@ from numba.np.ufunc.parallel import _launch_threads
 
 from pyml.package.quantized_dot import (
     QDOT_GROUP_ROWS,
+    QDOT_INT8_SAMPLES,
     QDOT_SAMPLES,
     q4_q8_rows_by_16,
+    q4_q8_rows_by_16_x4,
+    q4_q8_rows_by_16_x8,
     q4_row_dot_runs_of_16,
     q4_row_dot_runs_of_32,
     q4_rows_dot_runs_of_16,
@@ -58,6 +60,8 @@ from pyml.package.quantized_dot import (
     q6_row_dot,
     q6_rows_dot,
     q8_q8_rows_by_16,
+    q8_q8_rows_by_16_x4,
+    q8_q8_rows_by_16_x8,
     q8_row_dot,
     q8_rows_dot,
     round_activations_q8,
@@ -112,9 +116,10 @@ def linear_row(weight, layer, x, y):
     read from memory once per step, and dequantized once per QDOT_SAMPLES sequences, whatever B
     is; each y[b, row] is summed in the same order whether its sequence is taken alone or with
     others (quantized_dot.QdotSamples), so a sequence's result does not depend on its batch. The
-    int8-activation kinds run sequence by sequence (16 rows per iteration, after the sequence's x
-    is rounded on the calling thread). No BLAS, so no BLAS thread wakes up."""
-    kinds, packed, high, scale, offset, dense, x_values, x_scale, x_total = weight
+    int8-activation kinds round every row of x on the calling thread, then take 16 output rows per
+    iteration, their weights unpacked once per 8 sequences (then 4, then 1), each sequence's sums
+    its own likewise. No BLAS, so no BLAS thread wakes up."""
+    kinds, packed, high, scale, offset, dense = weight
     kind = kinds[layer]
     packed, high, scale, offset, dense = packed[layer], high[layer], scale[layer], offset[layer], dense[layer]
     rows, batch = y.shape[1], y.shape[0]
@@ -143,18 +148,31 @@ def linear_row(weight, layer, x, y):
                 q8_rows_dot(packed, scale, x, row, b, y)
             for b in range(whole, batch):
                 q8_row_dot(packed, scale, x, row, b, y)
-    elif kind == Q4_RUNS_OF_16_X8:
-        for b in range(batch):
-            y_b = y[b : b + 1]
-            round_activations_q8(x[b : b + 1], x_values, x_scale, x_total)
-            for group in prange((rows + QDOT_GROUP_ROWS - 1) // QDOT_GROUP_ROWS):
-                q4_q8_rows_by_16(packed, scale, offset, x_values, x_scale, x_total, group, y_b)
-    elif kind == Q8_X8:
-        for b in range(batch):
-            y_b = y[b : b + 1]
-            round_activations_q8(x[b : b + 1], x_values, x_scale, x_total)
-            for group in prange((rows + QDOT_GROUP_ROWS - 1) // QDOT_GROUP_ROWS):
-                q8_q8_rows_by_16(packed, scale, x_values, x_scale, x_total, group, y_b)
+    elif kind == Q4_RUNS_OF_16_X8 or kind == Q8_X8:
+        columns = x.shape[1]
+        x_values = np.empty((batch, columns), np.int8)
+        x_scale = np.empty((batch, columns // 32), np.float32)
+        x_total = np.empty((batch, columns // 32), np.int32)
+        round_activations_q8(x, x_values, x_scale, x_total)
+        by_8 = batch - batch % QDOT_INT8_SAMPLES  # rows of x taken 8, then 4, then 1 at a time
+        by_4 = by_8 + (batch - by_8) // 4 * 4
+        groups = (rows + QDOT_GROUP_ROWS - 1) // QDOT_GROUP_ROWS
+        if kind == Q4_RUNS_OF_16_X8:
+            for group in prange(groups):
+                for b in range(0, by_8, 8):
+                    q4_q8_rows_by_16_x8(packed, scale, offset, x_values, x_scale, x_total, group, b, y)
+                for b in range(by_8, by_4, 4):
+                    q4_q8_rows_by_16_x4(packed, scale, offset, x_values, x_scale, x_total, group, b, y)
+                for b in range(by_4, batch):
+                    q4_q8_rows_by_16(packed, scale, offset, x_values, x_scale, x_total, group, b, y)
+        else:
+            for group in prange(groups):
+                for b in range(0, by_8, 8):
+                    q8_q8_rows_by_16_x8(packed, scale, x_values, x_scale, x_total, group, b, y)
+                for b in range(by_8, by_4, 4):
+                    q8_q8_rows_by_16_x4(packed, scale, x_values, x_scale, x_total, group, b, y)
+                for b in range(by_4, batch):
+                    q8_q8_rows_by_16(packed, scale, x_values, x_scale, x_total, group, b, y)
     elif kind == Q6:
         for row in prange(rows):
             for b in range(0, whole, QDOT_SAMPLES):

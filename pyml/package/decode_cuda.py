@@ -7,7 +7,7 @@ arrays) copied to the device by `device_weight`: (kinds, packed, high, scale, of
 kinds staying on the host, where `linear_row` reads the kind of a layer to pick the loop the
 kernel runs. The kinds that round the input to int8 (--activations q8_0) are CPU-only: the
 rounding buys a CPU its integer dot-product instructions, and a GPU reads the weights from memory
-fast enough without it. The slot of a position is the CPU kernels' `cache_slot`, re-exported.
+fast enough without it.
 
 A row's products are summed by one warp: thread t takes the weights t, t + 32, ... of the row,
 dequantized as gguf does (pyml/package/quantized_cuda.py), so a warp reads consecutive bytes, and
@@ -18,14 +18,23 @@ or float64 for a float64 model's dense rows).
 from functools import cache
 
 import numpy as np
-from numba import cuda
+from numba import cuda, njit
 
 from pyml.errors import PymlError
-from pyml.package.cpu.attention import cache_slot  # noqa: F401 (the generated steps import it from here)
 from pyml.package.decode_cpu import DENSE, Q4_RUNS_OF_16, Q4_RUNS_OF_32, Q5, Q6, Q8
 from pyml.package.quantized_cuda import THREADS, block_sum, q4_weight, q5_weight, q6_weight, q8_weight
 
 CUDA_KINDS = (Q4_RUNS_OF_16, Q4_RUNS_OF_32, Q5, Q8, Q6, DENSE)
+
+
+@njit(cache=True)
+def cache_slot(window, position):
+    """(the slot position `position` is written to, how many slots hold positions): a global layer
+    has a slot per position, a sliding one its window, position p in slot p % window; the same
+    rule as pyml.package.base.KVCache.cache_slot, which the prompt's cache was filled by."""
+    if window:
+        return position % window, min(position + 1, window)
+    return position, position + 1
 
 
 @cache
@@ -65,9 +74,8 @@ def linear_row_kernel(dtype):
 
 
 def device_weight(weight: tuple) -> tuple:
-    """A step weight tuple (pyml.generate.quantized.weight_tuple) on the device, less the
-    room for an int8-rounded input, which only the CPU's kinds use."""
-    kinds, packed, high, scale, offset, dense = weight[:6]
+    """A step weight tuple (pyml.generate.quantized.weight_tuple) on the device."""
+    kinds, packed, high, scale, offset, dense = weight
     unknown = sorted({int(kind) for kind in kinds} - set(CUDA_KINDS))
     if unknown:
         raise PymlError("--activations q8_0 runs on the CPU only: leave it out to decode on the GPU")

@@ -75,7 +75,7 @@ INT8_TYPES = (GGML.Q8_0, GGML.Q4_0, GGML.Q4_1)  # the formats --activations q8_0
 
 def int8_step_weight(raw, ggml, rows, columns, int8_activations):
     weight = step_weight(raw, ggml, rows, columns)
-    return with_int8_activations(weight) if int8_activations else weight
+    return with_int8_activations(weight, columns) if int8_activations else weight
 
 
 def exact_int8_input(rng, columns):
@@ -100,7 +100,7 @@ def test_int8_activation_rows_equal_the_exact_mat_vec(ggml, blocks):
     linear_row(weight, 0, x.astype(np.float32), y)
     assert np.isnan(written[0, rows:]).all()  # the last group of 16 rows wrote only its 5
     assert weight[3].shape[2] == -(-blocks // 2)  # float16 scales: half as many float32 columns
-    assert np.array_equal(weight[6][0], x[0])  # the rounding kept the integers
+    assert np.array_equal(rounded(x.astype(np.float32))[0], x)  # the rounding keeps the integers
     expected = exact.mat_vec(weights.astype(np.int64).tolist(), x[0].tolist())
     assert np.array_equal(y[0], np.array(expected, dtype=np.float64))
 
@@ -113,7 +113,7 @@ def test_int8_layers_share_a_stack_with_float_activation_layers():
     rows, columns = 37, 256
     layers = [step_layer(ggml, rows, columns, rng) for ggml in (GGML.Q4_1, GGML.Q4_K)]
     weight = with_int8_activations(weight_tuple([kind for kind, _, _ in layers],
-                                                [arrays for _, arrays, _ in layers], rows, columns))
+                                                [arrays for _, arrays, _ in layers], rows), columns)
     assert weight[3].shape[2] == columns // 32
     # int8-exact activations for the Q4_1 layer; small ones for Q4_K, whose products are larger
     inputs = (exact_int8_input(rng, columns), rng.integers(-8, 9, (1, columns)))
@@ -131,13 +131,13 @@ def test_a_scale_beyond_float16_is_refused_before_decoding():
     arrays = kept_arrays(GGMLType.Q4_0, quantized_matrix(raw, GGML.Q4_0, (16, 64)).arrays)
     arrays["offset"][3, 1] = np.float32(-8 * 60000.0)
     with pytest.raises(PymlError, match="not a float16 value"):
-        with_int8_activations(weight_tuple([STEP_KINDS[GGMLType.Q4_0]], [arrays], 16, 64))
+        with_int8_activations(weight_tuple([STEP_KINDS[GGMLType.Q4_0]], [arrays], 16), 64)
 
 
 def rounded(x):
-    """round_activations_q8 of x (1, in): (values, scale, total)."""
+    """round_activations_q8 of x (B, in): (values, scale, total)."""
     values = np.zeros(x.shape, np.int8)
-    scale, total = np.zeros((1, x.shape[1] // 32), np.float32), np.zeros((1, x.shape[1] // 32), np.int32)
+    scale, total = (np.zeros((x.shape[0], x.shape[1] // 32), dtype) for dtype in (np.float32, np.int32))
     quantized_dot.round_activations_q8(x, values, scale, total)
     return values, scale, total
 
@@ -207,7 +207,7 @@ bits = []
 for ggml in (GGMLType.Q4_1, GGMLType.Q8_0):
     raw = quantize(rng.normal(0, 0.05, (rows, columns)).astype(np.float32), ggml).reshape(-1)
     arrays = kept_arrays(ggml, quantized_matrix(raw, int(ggml), (rows, columns)).arrays)
-    weight = with_int8_activations(weight_tuple([STEP_KINDS[ggml]], [arrays], rows, columns))
+    weight = with_int8_activations(weight_tuple([STEP_KINDS[ggml]], [arrays], rows), columns)
     y = np.zeros((1, rows), np.float32)
     linear_row(weight, 0, x, y)
     bits.append(y.tobytes().hex())
@@ -291,25 +291,32 @@ def test_weights_the_fused_step_does_not_know_are_refused_in_one_line():
 
 # -- a batch of sequences (`pyml serve`): each sequence's bits do not depend on the batch ----------
 
-@pytest.mark.parametrize("ggml", [*STEP_TYPES, None], ids=[t.name for t in STEP_TYPES] + ["dense"])
-def test_linear_row_gives_each_row_the_bits_it_gets_alone(ggml):
-    """Nine rows of x at once (two groups of four and one left over) against each row alone: the
-    same float32 bits, on inputs whose sums round (so a different summation order would show)."""
+@pytest.mark.parametrize("ggml, int8", [*((t, False) for t in STEP_TYPES), (None, False),
+                                         *((t, True) for t in INT8_TYPES)],
+                         ids=[t.name for t in STEP_TYPES] + ["dense"] + [f"{t.name} x Q8_0" for t in INT8_TYPES])
+def test_linear_row_gives_each_row_the_bits_it_gets_alone(ggml, int8):
+    """Thirteen rows of x at once (float activations: three groups of four and one left over;
+    int8 ones: 8, 4 and 1) against each row alone: the same float32 bits, on inputs whose sums
+    round (so a different summation order would show); 40 output rows (int8: two whole groups of
+    16 and a part)."""
     rng = np.random.default_rng(3)
     kind, arrays, _ = step_layer(ggml, 40, 256, rng)
-    weight = weight_tuple([kind], [arrays], 40, 256)
-    x = rng.normal(0, 1, (9, 256)).astype(np.float32)
-    together = np.full((9, 40), np.nan, np.float32)
+    weight = weight_tuple([kind], [arrays], 40)
+    if int8:
+        weight = with_int8_activations(weight, 256)
+    x = rng.normal(0, 1, (13, 256)).astype(np.float32)
+    together = np.full((13, 40), np.nan, np.float32)
     linear_row(weight, 0, x, together)
-    for row in range(9):
-        np.testing.assert_array_equal(together[row], run_cpu_step(weight, 0, x[row : row + 1])[0])
+    for row in range(13):
+        np.testing.assert_array_equal(together[row], run_cpu_step(weight, 0, x[row : row + 1])[0, :40])
 
 
 @pytest.mark.parametrize("weights", ["q4_1", "q8_0", "float rows"])
 def test_a_sequence_decodes_the_same_bits_in_any_batch(weights):
-    """Five sequences of different prompts, decoded alone (start_decoding, decode) and in one
-    DecodingBatch that they join and leave at different steps, in changing orders: each one's
-    logits are the same bits at every position."""
+    """Five sequences of different prompts, decoded alone (start_decoding: the whole prompt in
+    one step; decode) and in one DecodingBatch that they join and leave at different steps, in
+    changing orders, their prompts prefilled 4 tokens per step beside the others' decoding: each
+    one's logits are the same bits at every position."""
     from pyml.generate.quantized import DecodingBatch
 
     rng = np.random.default_rng(5)
@@ -323,35 +330,73 @@ def test_a_sequence_decodes_the_same_bits_in_any_batch(weights):
     for prompt, following in zip(prompts, tokens):
         cache, logits = decoder.start_decoding(np.array([prompt]), len(prompt) + len(following))
         alone.append([logits[0]] + [decoder.decode(cache, np.array([t]))[0] for t in following])
-    batch = DecodingBatch(decoder, 4, 32)
+    batch = DecodingBatch(decoder, 4, 32, chunk=4)
     joins = [0, 0, 2, 3, 6]  # the step at which each sequence joins; at most 4 run at once
-    rows, done, step = {}, {}, 0
+    rows, drawn, done, step = {}, {}, set(), 0
     while len(done) < len(prompts):
         for n, join in enumerate(joins):
             if join <= step and n not in rows and n not in done and batch.free:
-                row, logits = batch.add(prompts[n])
-                np.testing.assert_array_equal(logits, alone[n][0])
-                rows[n] = row
-        running = sorted(rows, reverse=step % 2 == 1)  # the batch's order changes every step
-        steps_taken = {n: int(batch.lengths[rows[n]]) - len(prompts[n]) for n in running}
-        logits = batch.step([rows[n] for n in running], [tokens[n][steps_taken[n]] for n in running])
-        for n, row_logits in zip(running, logits):
-            np.testing.assert_array_equal(row_logits, alone[n][steps_taken[n] + 1], err_msg=f"{n}")
-            if steps_taken[n] + 1 == len(tokens[n]):
+                rows[n], drawn[n] = batch.add(prompts[n]), 0
+        # the next token of each sequence past its prompt, in an order that changes every step
+        running = sorted((n for n in rows if drawn[n]), reverse=step % 2 == 1)
+        logits = batch.step({rows[n]: tokens[n][drawn[n] - 1] for n in running})
+        by_row = {row: n for n, row in rows.items()}
+        for row, row_logits in logits.items():
+            n = by_row[row]
+            np.testing.assert_array_equal(row_logits, alone[n][drawn[n]], err_msg=f"{n}")
+            drawn[n] += 1
+            if drawn[n] == len(tokens[n]) + 1:
                 batch.release(rows.pop(n))
-                done[n] = True
+                done.add(n)
         step += 1
 
 
-def test_prefills_of_every_length_keep_the_buffers_of_a_few():
-    """A server prefills prompts of every length: the model keeps the buffers of the last
-    BUFFER_SHAPES shapes only, so its memory does not grow with the lengths it has seen."""
+def test_a_prompt_longer_than_a_chunk_takes_several_steps_beside_the_others():
+    """Chunked prefill: a 12-token prompt with chunk 4 gives its logits on the third step, while
+    a decoding sequence gets its next logits at every step."""
+    from pyml.generate.quantized import DecodingBatch
+
+    model = tiny.Model()
+    model.params.flat[:] = np.random.default_rng(6).normal(0, 0.3, model.params.flat.shape)
+    batch = DecodingBatch(QuantizedDecoder.on_float_rows(model), 3, 32, chunk=4)
+    short = batch.add([1, 2])
+    assert list(batch.step({})) == [short]
+    long = batch.add(list(range(1, 13)))
+    for _ in range(2):
+        assert list(batch.step({short: 3})) == [short]
+    assert sorted(batch.step({short: 3})) == sorted([short, long])
+    assert batch.lengths[long] == 12 and batch.lengths[short] == 5
+    batch.release(long)
+    # the chunk is shared, first come first served; a released row's prompt is dropped
+    first, second = batch.add(list(range(1, 7))), batch.add(list(range(1, 7)))
+    batch.step({short: 3})
+    assert (batch.lengths[first], batch.lengths[second]) == (4, 0)
+    batch.release(second)
+    assert list(batch.step({})) == [first] and batch.lengths[second] == 0
+    with pytest.raises(PymlError, match="the prompt has 0 tokens: a sequence takes 1 to 32"):
+        batch.add([])
+
+
+def test_the_steps_keep_the_buffers_of_a_few_sizes():
+    """A server's steps have every size from 1 to the batch plus a chunk: the batch keeps the
+    buffers of the last BUFFER_SHAPES sizes only, so its memory does not grow with them."""
     from pyml.generate.quantized import DecodingBatch
     from pyml.package.base import BUFFER_SHAPES
 
-    model = tiny.Model()
-    batch = DecodingBatch(QuantizedDecoder.on_float_rows(model), 1, 32)
+    batch = DecodingBatch(QuantizedDecoder.on_float_rows(tiny.Model()), 1, 32, chunk=32)
     for length in range(1, 20):
-        row, _ = batch.add(list(range(1, length + 1)))
+        row = batch.add(list(range(1, length + 1)))
+        batch.step({})
         batch.release(row)
+    assert list(batch.steps) == list(range(20 - BUFFER_SHAPES, 20))
+
+
+def test_prefills_of_every_length_keep_the_buffers_of_a_few():
+    """The float32 model prefills (CUDA's decoding, pyml eval) at every length: the model keeps the
+    buffers of the last BUFFER_SHAPES shapes only."""
+    from pyml.package.base import BUFFER_SHAPES
+
+    model = tiny.Model()
+    for length in range(1, 20):
+        model.start_decoding(np.array([list(range(1, length + 1))]), 32)
     assert list(model.buffers) == [(1, length) for length in range(20 - BUFFER_SHAPES, 20)]

@@ -107,22 +107,22 @@ def test_fused_decode_steps_match_the_float32_forward_on_the_same_weights(run, c
 
 
 def test_int8_activations_decode_near_the_float32_forward(run, chat_ids, model_dir):
-    """--activations q8_0 rounds every product's input to int8 (as llama.cpp does): the logits move
-    (by up to 1.9 here on 2026-12-02, of magnitude ~20: the error of each product, 5e-3 of it,
-    grows over 30 layers), and the greedy answer to the question is still Paris."""
+    """--activations q8_0 rounds every product's input to int8 (as llama.cpp does), the prompt's
+    too: the logits move (by up to 1.1 here on 2026-12-04, of magnitude ~20: the error of each
+    product, 5e-3 of it, grows over 30 layers), and each position's greedy token is one the
+    float32 forward ranks in its top 3. (The answer's first token is a near tie in float32, "The"
+    25.33 against "L" 25.24, which the rounding turns: the greedy answer is not Paris.)"""
     int8 = generation.load_decoder(model_dir, SPEC, activations="q8_0")
     assert set(int8.formats.values()) == {"Q4_1 x Q8_0 activations", "Q8_0 x Q8_0 activations"}
-    model, tokenizer = run.model, run.tokenizer
-    full = model.forward(np.array([chat_ids]))[0]
-    cache, _ = int8.start_decoding(np.array([chat_ids[:20]]), len(chat_ids))
+    full = run.model.forward(np.array([chat_ids]))[0]
+    cache, logits = int8.start_decoding(np.array([chat_ids[:20]]), len(chat_ids))
     differences = []
     for position in range(20, len(chat_ids)):
+        assert logits[0].argmax() in np.argsort(-full[position - 1])[:3]
         logits = int8.decode(cache, np.array([chat_ids[position]]))
         differences.append(float(np.abs(logits[0] - full[position]).max()))
     print(f"largest logit difference to the float32 forward: {max(differences):.2e}")
     assert 1e-3 < max(differences) < 3.0
-    result = generation.generate(int8, tokenizer, chat_ids, 16, generation.eos_ids(model_dir), out=None)
-    assert "Paris" in tokenizer.decode(result.new_ids)
 
 
 def test_int8_activations_on_the_gpu_are_refused_in_one_line(model_dir):

@@ -108,8 +108,8 @@ def check_against_torch(data: dict, batch: tuple[int, int], seed: int, device: s
             last = model.decode(cache, inputs[:, position])
         assert relative_error(last, logits[:, -1]) < RTOL, "decoding with the cache"
         if fused and spec.lora is None:
-            fused = fused_decoding(model, inputs[:1])
-            assert relative_error(fused, logits[0, -1]) < RTOL, "the fused decode step"
+            first, fused = fused_decoding(model, inputs[:1])
+            assert relative_error(fused, logits[0, first:]) < RTOL, "the fused decode step"
 
 
 def packed_positions(rng, B: int, T: int) -> np.ndarray:
@@ -123,21 +123,33 @@ def packed_positions(rng, B: int, T: int) -> np.ndarray:
     return positions
 
 
-def fused_decoding(model, ids: np.ndarray) -> np.ndarray:
-    """The logits of the last position of `ids` (1, T) from the generated decode step of the
-    model's device (decode_cpu.py, decode_cuda.py), its linear maps on the model's own float
-    rows: the step's structure (biases, heads, windows, norms) in float64. On the CPU the step
-    decodes every position after the first; on CUDA only the last, after a prefill of the others,
-    since the simulator runs each GPU thread of a token in Python (tens of seconds a token here)."""
-    from pyml.generate.quantized import QuantizedDecoder, decode_module, float_row_weights
+def fused_decoding(model, ids: np.ndarray) -> tuple[int, np.ndarray]:
+    """(first, the logits of positions first .. T - 1 of `ids` (1, T)) from the generated decode
+    step of the model's device (decode_cpu.py, decode_cuda.py), its linear maps on the model's own
+    float rows: the step's structure (biases, heads, windows, norms) in float64. On the CPU the
+    step prefills the first half of the positions two per step (so a sliding layer's ring of keys
+    wraps within a step) and decodes the others, every position's logits from the prompt's last
+    on; on CUDA it decodes only the last, after the float32 model's prefill of the others, since
+    the simulator runs each GPU thread of a token in Python (tens of seconds a token here)."""
+    from pyml.generate.quantized import DecodingBatch, QuantizedDecoder, decode_module, float_row_weights
 
     step = decode_module(model)
     decoder = QuantizedDecoder(model, step, *float_row_weights(model, step.LINEARS))
-    prompt = 1 if model.device.name == "cpu" else ids.shape[1] - 1
-    cache, last = decoder.start_decoding(ids[:, :prompt], ids.shape[1])
+    if model.device.name == "cpu":
+        prompt = max(1, ids.shape[1] // 2)
+        cache = DecodingBatch(decoder, 1, ids.shape[1], chunk=2)
+        cache.add(list(ids[0, :prompt]))
+        logits = {}
+        while not logits:
+            logits = cache.step({})
+        found = [logits[0]]
+    else:
+        prompt = ids.shape[1] - 1
+        cache, _ = decoder.start_decoding(ids[:, :prompt], ids.shape[1])
+        found = []
     for position in range(prompt, ids.shape[1]):
-        last = decoder.decode(cache, ids[:, position])
-    return last[0]
+        found.append(decoder.decode(cache, ids[:, position])[0])
+    return ids.shape[1] - len(found), np.array(found)
 
 
 # -- strategies -------------------------------------------------------------------------------------

@@ -152,7 +152,7 @@ def step_weight(raw: np.ndarray, ggml: GGML, rows: int, columns: int) -> tuple:
     """The step's weight tuple of one layer: GGUF bytes `raw` of type `ggml`."""
     ggml_type = GGMLType(int(ggml))
     arrays = kept_arrays(ggml_type, quantized_matrix(raw, ggml, (rows, columns)).arrays)
-    return weight_tuple([STEP_KINDS[ggml_type]], [arrays], rows, columns)
+    return weight_tuple([STEP_KINDS[ggml_type]], [arrays], rows)
 
 
 def step_layer(ggml: GGML, rows: int, columns: int, rng) -> tuple[int, dict, np.ndarray]:
@@ -179,7 +179,7 @@ def case_step_exact(run_step, ggml: GGML | None) -> None:
     rng = np.random.default_rng(3)
     rows, columns = 5, 2 * (BLOCKS[ggml][0] if ggml else 32)
     kind, arrays, weights = step_layer(ggml, rows, columns, rng)
-    weight = weight_tuple([kind], [arrays], rows, columns)
+    weight = weight_tuple([kind], [arrays], rows)
     assert_step_equals_the_exact_mat_vec(run_step, weight, 0, weights, rng.integers(-8, 9, (1, columns)))
 
 
@@ -189,7 +189,7 @@ def case_step_two_kinds_in_one_stack(run_step) -> None:
     rng = np.random.default_rng(4)
     rows, columns = 3, 512
     layers = [step_layer(ggml, rows, columns, rng) for ggml in (GGML.Q4_K, GGML.Q6_K, GGML.Q4_K)]
-    weight = weight_tuple([kind for kind, _, _ in layers], [arrays for _, arrays, _ in layers], rows, columns)
+    weight = weight_tuple([kind for kind, _, _ in layers], [arrays for _, arrays, _ in layers], rows)
     x = rng.integers(-8, 9, (1, columns))
     for layer, (_, _, weights) in enumerate(layers):
         assert_step_equals_the_exact_mat_vec(run_step, weight, layer, weights, x)
@@ -200,5 +200,5 @@ def case_step_float64_rows(run_step) -> None:
     from pyml.package.decode_cpu import DENSE
     rng = np.random.default_rng(8)
     weights = rng.integers(-8, 9, (19, 64))
-    weight = weight_tuple([DENSE], [{"dense": weights.astype(np.float64)}], 19, 64)
+    weight = weight_tuple([DENSE], [{"dense": weights.astype(np.float64)}], 19)
     assert_step_equals_the_exact_mat_vec(run_step, weight, 0, weights, rng.integers(-8, 9, (1, 64)))

@@ -8,7 +8,7 @@ import *`), so a generated model calls each kernel as `k.name`: the kinds' kerne
 the same for every model (AdamW, the residual joins), and what the rendered kernels call.
 """
 
-from pyml.package.cpu.attention import cache_slot, clear_outside_window, row_start
+from pyml.package.cpu.attention import clear_outside_window, row_start
 from pyml.package.kernels_cpu import (
     adamw_grad_norm,
     adamw_scale,
@@ -74,7 +74,6 @@ __all__ = [
     "layernorm_unbiased_forward",
     "clear_outside_window",
     "row_start",
-    "cache_slot",
     "adamw_grad_norm",
     "adamw_scale",
     "adamw_step",

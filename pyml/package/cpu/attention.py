@@ -1,5 +1,5 @@
 """What the rendered attention kernels (pyml/codegen/kinds/attention_cpu.py.j2) call that does not
-depend on the spec's dims, and the KV cache's slot of a position (the fused decode steps' too)."""
+depend on the spec's dims."""
 
 from numba import njit
 
@@ -25,13 +25,3 @@ def clear_outside_window(row, start, t):
         row[j] = 0.0
     for j in range(t + 1, row.shape[0]):
         row[j] = 0.0
-
-
-@njit(cache=True)
-def cache_slot(window, position):
-    """(the slot position `position` is written to, how many slots hold positions): a global layer
-    has a slot per position, a sliding one its window, position p in slot p % window; the same
-    rule as pyml.package.base.KVCache.cache_slot, which the prompt's cache was filled by."""
-    if window:
-        return position % window, min(position + 1, window)
-    return position, position + 1
