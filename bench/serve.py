@@ -3,8 +3,10 @@ token at 1, 4, 8 and 16 concurrent streams.
 
 Both serve the same GGUF, the SmolLM2 one `make demo` imports (models/smollm2-135m-instruct; pyml
 runs its weights as the GGUF stores them, from the folder's copy source.gguf), in a process of
-their own on 127.0.0.1, each with 16 sequences of 2048 positions: `pyml serve --max-sequences 16`,
-and llama.cpp's `llama-server -np 16 -c 32768` (continuous batching, its default), built from the
+their own on 127.0.0.1, each with 16 sequences of 2048 positions: `pyml serve --max-sequences 16`
+twice, with float32 activations (its default) and with `--activations q8_0` (the activations
+rounded to int8 per 32 values before each quantized product, as llama.cpp's CPU products round
+them), and llama.cpp's `llama-server -np 16 -c 32768` (continuous batching, its default), built from the
 llama.cpp source vendored in the llama-cpp-python sdist (`make bench-serve` builds it; without it
 only pyml runs, and the report says so), on all cores. At each concurrency C, C clients (threads
 of this process, each with its own HTTP connection) each send `--requests` streaming chat requests
@@ -66,9 +68,10 @@ def started(command: list[str], url: str) -> subprocess.Popen:
         time.sleep(0.5)
 
 
-def pyml_command(model: Path, port: int) -> list[str]:
+def pyml_command(model: Path, port: int, activations: str) -> list[str]:
     return [sys.executable, "-m", "pyml.cli", "serve", "--model", str(model), "--port", str(port),
-            "--max-sequences", str(SEQUENCES), "--max-queue", "64", "--context", str(CONTEXT)]
+            "--max-sequences", str(SEQUENCES), "--max-queue", "64", "--context", str(CONTEXT),
+            "--activations", activations]
 
 
 def llama_cpp_command(server: Path, model: Path, port: int) -> list[str]:
@@ -95,16 +98,23 @@ def one_request(client: httpx.Client, url: str, question: str, max_tokens: int) 
 
 
 def round_of(url: str, concurrency: int, requests: int, max_tokens: int) -> dict:
-    first_token, tokens, lock = [], [0], threading.Lock()
+    first_token, tokens, failures, lock = [], [0], [], threading.Lock()
 
     def client_loop(index: int) -> None:
-        with httpx.Client() as client:
-            for n in range(requests):
-                topic = TOPICS[(index * requests + n) % len(TOPICS)]
-                seconds, count = one_request(client, url, f"Tell me about {topic}.", max_tokens)
+        for n in range(requests):
+            topic = TOPICS[(index * requests + n) % len(TOPICS)]
+            # a connection per request: llama-server closes idle keep-alive connections, and a
+            # request sent on one as it closes is lost ("Server disconnected")
+            try:
+                with httpx.Client() as client:
+                    seconds, count = one_request(client, url, f"Tell me about {topic}.", max_tokens)
+            except httpx.HTTPError as error:
                 with lock:
-                    first_token.append(seconds)
-                    tokens[0] += count
+                    failures.append(repr(error))
+                continue
+            with lock:
+                first_token.append(seconds)
+                tokens[0] += count
 
     started = time.perf_counter()
     threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(concurrency)]
@@ -113,12 +123,14 @@ def round_of(url: str, concurrency: int, requests: int, max_tokens: int) -> dict
     for thread in threads:
         thread.join()
     wall = time.perf_counter() - started
+    if failures:  # a round with lost requests measures nothing
+        sys.exit(f"{url}: {len(failures)} of {concurrency * requests} requests failed: {failures[0]}")
     return {"concurrency": concurrency, "requests": concurrency * requests, "tokens": tokens[0],
             "seconds": round(wall, 2), "tokens_per_s": round(tokens[0] / wall, 1),
             "median_first_token_ms": round(1000 * statistics.median(first_token), 1)}
 
 
-def measure(command: list[str], url: str, max_tokens: int, requests: int, repeats: int) -> list[dict]:
+def measure(name: str, command: list[str], url: str, max_tokens: int, requests: int, repeats: int) -> list[dict]:
     """Each concurrency's round, the median of `repeats` by tokens/s (this machine is shared)."""
     process = started(command, url)
     try:
@@ -129,7 +141,7 @@ def measure(command: list[str], url: str, max_tokens: int, requests: int, repeat
             runs = sorted((round_of(url, concurrency, requests, max_tokens) for _ in range(repeats)),
                           key=lambda entry: entry["tokens_per_s"])
             rounds.append(runs[len(runs) // 2])
-            print(command[0], json.dumps(rounds[-1]), flush=True)
+            print(name, json.dumps(rounds[-1]), flush=True)
         return rounds
     finally:
         process.terminate()
@@ -146,12 +158,14 @@ def main() -> None:
     args = parser.parse_args()
     if not (args.model / "source.gguf").is_file():
         sys.exit(f"{args.model}: no imported GGUF folder (`make demo` or `pyml import-gguf --out DIR` makes one)")
-    systems = {"pyml": pyml_command(args.model, port := free_port())}
-    urls = {"pyml": f"http://127.0.0.1:{port}"}
+    systems, urls = {}, {}
+    for name, activations in (("pyml", "f32"), ("pyml q8_0", "q8_0")):
+        systems[name] = pyml_command(args.model, port := free_port(), activations)
+        urls[name] = f"http://127.0.0.1:{port}"
     if args.llama_server.is_file():
         systems["llama.cpp"] = llama_cpp_command(args.llama_server, args.model, port := free_port())
         urls["llama.cpp"] = f"http://127.0.0.1:{port}"
-    results = {name: measure(command, urls[name], args.max_tokens, args.requests, args.repeats)
+    results = {name: measure(name, command, urls[name], args.max_tokens, args.requests, args.repeats)
                for name, command in systems.items()}
     report = {"date": date.today().isoformat(), "machine": f"{platform.processor() or platform.machine()}, "
               f"{os.cpu_count()} cores", "model": args.model.name, "max_tokens": args.max_tokens,
