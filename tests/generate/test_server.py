@@ -224,3 +224,18 @@ def wait_for_health(url: str, **counts) -> None:
             return
         assert time.monotonic() < deadline, health
         time.sleep(0.01)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"max_queue": 0}, "--max-queue must be at least 1, not 0"),
+    ({"max_sequences": 0}, "--max-sequences must be at least 1, not 0"),
+    ({"context": 0}, "--context must be at least 1, not 0"),
+    ({"prefill_chunk": 0}, "--prefill-chunk must be at least 1, not 0"),
+    ({"context": 10**6}, "--context 1000000 exceeds the model's max_seq_len"),
+])
+def test_options_the_server_cannot_run_are_refused_in_one_line(tiny_folders, options, message):
+    from pyml.errors import PymlError
+    from pyml.generate.server import serve
+
+    with pytest.raises(PymlError, match=message):
+        serve(tiny_folders["llama"], "127.0.0.1", 0, **{"max_queue": 16, **options})
