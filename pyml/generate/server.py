@@ -137,6 +137,7 @@ class Engine:
         self.batch = DecodingBatch(decoder, max_sequences, context, prefill_chunk)
         self.jobs: queue.Queue[Job] = queue.Queue(max_queue)
         self.running: dict[int, Sequence] = {}  # by row, those whose prompt is being prefilled too
+        self.steps = 0  # decoding steps run: fewer than the tokens drawn when sequences share them
         self.worker = threading.Thread(target=self.run, name="pyml-decoder", daemon=True)
         self.worker.start()
 
@@ -154,6 +155,7 @@ class Engine:
                 decoding = {row: s.new_ids[-1] for row, s in self.running.items() if s.new_ids}
                 for row, logits in self.batch.step(decoding).items():
                     self.advance(self.running[row], logits)
+                self.steps += 1
             except Exception as error:  # a bug must not kill the worker: the running requests fail
                 for sequence in list(self.running.values()):
                     sequence.job.emit("error", str(error))
@@ -241,7 +243,7 @@ def create_app(engine: Engine) -> FastAPI:
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok", "active": engine.active, "queued": engine.jobs.qsize(),
-                "max_sequences": engine.batch.capacity}
+                "max_sequences": engine.batch.capacity, "steps": engine.steps}
 
     @app.get("/v1/models")
     async def models() -> dict:
