@@ -219,15 +219,39 @@ class Sampler:
 GREEDY = Sampler()
 
 
+class IncrementalText:
+    """The text of a growing list of token ids, without decoding the whole list at each token
+    (quadratic in the answer's length). As vLLM's incremental detokenizer does, each token
+    decodes the ids since the settle before last twice, with and without those since the last
+    settle; the difference is the new text. Starting a settle early keeps a decoder that treats
+    a text's first token apart (a stripped leading space) from treating the new tokens so. New
+    text ending in U+FFFD (an incomplete UTF-8 character) does not settle; `add` returns it
+    anyway, as decoding every id would."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer, self.ids, self.settled = tokenizer, [], ""
+        self.prefix = self.read = 0  # ids[prefix:read] decode to the end of `settled`
+
+    def add(self, token: int) -> str:
+        """The text of every id so far, `token` appended."""
+        self.ids.append(token)
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        after = self.tokenizer.decode(self.ids[self.prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.settled += after[len(before):]
+            self.prefix, self.read = self.read, len(self.ids)
+            return self.settled
+        return self.settled + after[len(before):]
+
+
 class TextStream:
     """Prints decoded text as tokens arrive, holding back an incomplete UTF-8 character."""
 
     def __init__(self, tokenizer: Tokenizer, out: TextIO | None):
-        self.tokenizer, self.out, self.ids, self.shown = tokenizer, out, [], ""
+        self.text, self.out, self.shown = IncrementalText(tokenizer), out, ""
 
     def add(self, token: int) -> None:
-        self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
+        text = self.text.add(token)
         if self.out is not None and not text.endswith("\ufffd"):
             self.out.write(text[len(self.shown):])
             self.out.flush()

@@ -113,12 +113,13 @@ class Job:
 
 @dataclass
 class Sequence:
-    """A job in the running batch: its row of the batch's caches, its generator, its tokens and
-    how many characters of their text were sent."""
+    """A job in the running batch: its row of the batch's caches, its generator, its tokens, their
+    text and how many characters of it were sent."""
 
     job: Job
     row: int
     rng: np.random.Generator
+    text: decoding.IncrementalText
     new_ids: list[int] = field(default_factory=list)
     sent: int = 0
 
@@ -176,7 +177,8 @@ class Engine:
             except Exception as error:
                 job.emit("error", str(error))
                 continue
-            self.running[row] = Sequence(job, row, np.random.default_rng(job.seed))
+            self.running[row] = Sequence(job, row, np.random.default_rng(job.seed),
+                                         decoding.IncrementalText(self.tokenizer))
 
     def advance(self, sequence: Sequence, logits: np.ndarray) -> None:
         """Draw the sequence's next token from `logits` and send the text that can no longer be
@@ -185,7 +187,7 @@ class Engine:
         job, new_ids = sequence.job, sequence.new_ids
         token = job.sampler.next_token(logits, sequence.rng, job.prompt_ids, new_ids)
         new_ids.append(token)
-        text = self.tokenizer.decode(new_ids)  # an end-of-turn token decodes to nothing
+        text = sequence.text.add(token)  # an end-of-turn token decodes to nothing
         cut = first_stop(text, job.stops)
         if token in self.eos or cut is not None or len(new_ids) == job.max_tokens:
             end = len(text) if cut is None else cut
