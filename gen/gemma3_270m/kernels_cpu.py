@@ -296,39 +296,47 @@ def self_attn_core_decode(q, k_cache, v_cache, n_valid, out):
     # cache is a ring buffer of its window, and the softmax and its weighted sum of v do not depend on
     # the order (up to rounding). q is (B, 1, H = 4, head_dim = 256), k_cache, v_cache are
     # (B, slots, KV = 1, head_dim = 256), out is (B, 1, H * head_dim = 1024).
-    # Online softmax (running max, rescaled partial sums): O(n_valid) and nothing allocated.
     # Reassociation lets LLVM vectorize the score's sum over head_dim (strict order keeps it
-    # scalar); the rounding then differs from the full forward's BLAS product only in summation
-    # order.
-    n_batch = q.shape[0]
+    # scalar); the rounding then differs from the full forward's only in summation order. The
+    # scratch, (B * H, n_valid) weights, the queries and the row max's lanes, is allocated per
+    # call: a few kilobytes, against a cache row's reads.
+    n_batch, slots = q.shape[0], k_cache.shape[1]
     out4 = out.reshape(n_batch, 1, SELF_ATTN_CORE_N_HEADS, SELF_ATTN_CORE_HEAD_DIM)
+    scale = q.dtype.type(SELF_ATTN_CORE_SCALE)
+    weights = np.empty((n_batch * SELF_ATTN_CORE_N_HEADS, n_valid), q.dtype)
+    queries = np.empty((n_batch * SELF_ATTN_CORE_N_HEADS, SELF_ATTN_CORE_HEAD_DIM), q.dtype)
+    lanes = np.empty((n_batch * SELF_ATTN_CORE_N_HEADS, MAX_LANES), q.dtype)
     for bh in prange(n_batch * SELF_ATTN_CORE_N_HEADS):
         b = bh // SELF_ATTN_CORE_N_HEADS
         h = bh % SELF_ATTN_CORE_N_HEADS
         g = h // SELF_ATTN_CORE_GROUP
-        row_max = -np.inf
-        total = 0.0
+        n = n_valid - 0
+        w = weights[bh, :n]
+        query = queries[bh]
         for d in range(SELF_ATTN_CORE_HEAD_DIM):
-            out4[b, 0, h, d] = 0.0
-        for j in range(0, n_valid):
-            slot = j
-            s = 0.0
-            for d in range(SELF_ATTN_CORE_HEAD_DIM):
-                s += q[b, 0, h, d] * k_cache[b, slot, g, d]
-            s *= SELF_ATTN_CORE_SCALE
-            if s > row_max:
-                rescale = math.exp(row_max - s)
-                total *= rescale
-                for d in range(SELF_ATTN_CORE_HEAD_DIM):
-                    out4[b, 0, h, d] *= rescale
-                row_max = s
-            e = math.exp(s - row_max)
-            total += e
+            query[d] = q[b, 0, h, d]
+        slot = 0 % slots
+        for i in range(n):
+            s = query[0] * k_cache[b, slot, g, 0]
+            for d in range(1, SELF_ATTN_CORE_HEAD_DIM):
+                s += query[d] * k_cache[b, slot, g, d]
+            w[i] = s
+            slot = slot + 1 if slot + 1 < slots else 0
+        row_max = max_value(w, lanes[bh])
+        for i in range(n):
+            w[i] = exp_vectorizable((w[i] - row_max) * scale)
+        inv_total = 1.0 / sum_float64(w)
+        for i in range(n):
+            w[i] *= inv_total
+        slot = 0 % slots
+        e = w[0]
+        for d in range(SELF_ATTN_CORE_HEAD_DIM):
+            out4[b, 0, h, d] = e * v_cache[b, slot, g, d]
+        for i in range(1, n):
+            slot = slot + 1 if slot + 1 < slots else 0
+            e = w[i]
             for d in range(SELF_ATTN_CORE_HEAD_DIM):
                 out4[b, 0, h, d] += e * v_cache[b, slot, g, d]
-        inv_total = 1.0 / total
-        for d in range(SELF_ATTN_CORE_HEAD_DIM):
-            out4[b, 0, h, d] *= inv_total
 
 
 @njit(cache=True, parallel=True, fastmath={"contract", "reassoc"})
@@ -341,38 +349,50 @@ def self_attn_core_decode_rows(q, k, v, k_cache, v_cache, rows, positions, windo
     # so that no key an entry attends to is overwritten in its step. Every entry's keys and values
     # are written first; then each (entry, head), by one loop iteration, attends to its own
     # positions (those of its window) in position order, so its result depends neither on the
-    # other entries nor on how its sequence's positions were split into steps.
+    # other entries nor on how its sequence's positions were split into steps. The scratch is
+    # allocated per call, as in self_attn_core_decode, its rows as long as the longest entry's positions.
     n_batch, slots = q.shape[0], k_cache.shape[1]
     for b in range(n_batch):
         k_cache[rows[b], positions[b] % slots] = k[b, 0]
         v_cache[rows[b], positions[b] % slots] = v[b, 0]
     out4 = out.reshape(n_batch, 1, SELF_ATTN_CORE_N_HEADS, SELF_ATTN_CORE_HEAD_DIM)
+    scale = q.dtype.type(SELF_ATTN_CORE_SCALE)
+    longest = 0
+    for b in range(n_batch):
+        longest = max(longest, min(positions[b] + 1, window) if window > 0 else positions[b] + 1)
+    weights = np.empty((n_batch * SELF_ATTN_CORE_N_HEADS, longest), q.dtype)
+    queries = np.empty((n_batch * SELF_ATTN_CORE_N_HEADS, SELF_ATTN_CORE_HEAD_DIM), q.dtype)
+    lanes = np.empty((n_batch * SELF_ATTN_CORE_N_HEADS, MAX_LANES), q.dtype)
     for bh in prange(n_batch * SELF_ATTN_CORE_N_HEADS):
         b = bh // SELF_ATTN_CORE_N_HEADS
         h = bh % SELF_ATTN_CORE_N_HEADS
         row = rows[b]
         first = max(0, positions[b] - window + 1) if window > 0 else 0
         g = h // SELF_ATTN_CORE_GROUP
-        row_max = -np.inf
-        total = 0.0
+        n = positions[b] + 1 - first
+        w = weights[bh, :n]
+        query = queries[bh]
         for d in range(SELF_ATTN_CORE_HEAD_DIM):
-            out4[b, 0, h, d] = 0.0
-        for j in range(first, positions[b] + 1):
-            slot = j % slots
-            s = 0.0
-            for d in range(SELF_ATTN_CORE_HEAD_DIM):
-                s += q[b, 0, h, d] * k_cache[row, slot, g, d]
-            s *= SELF_ATTN_CORE_SCALE
-            if s > row_max:
-                rescale = math.exp(row_max - s)
-                total *= rescale
-                for d in range(SELF_ATTN_CORE_HEAD_DIM):
-                    out4[b, 0, h, d] *= rescale
-                row_max = s
-            e = math.exp(s - row_max)
-            total += e
+            query[d] = q[b, 0, h, d]
+        slot = first % slots
+        for i in range(n):
+            s = query[0] * k_cache[row, slot, g, 0]
+            for d in range(1, SELF_ATTN_CORE_HEAD_DIM):
+                s += query[d] * k_cache[row, slot, g, d]
+            w[i] = s
+            slot = slot + 1 if slot + 1 < slots else 0
+        row_max = max_value(w, lanes[bh])
+        for i in range(n):
+            w[i] = exp_vectorizable((w[i] - row_max) * scale)
+        inv_total = 1.0 / sum_float64(w)
+        for i in range(n):
+            w[i] *= inv_total
+        slot = first % slots
+        e = w[0]
+        for d in range(SELF_ATTN_CORE_HEAD_DIM):
+            out4[b, 0, h, d] = e * v_cache[row, slot, g, d]
+        for i in range(1, n):
+            slot = slot + 1 if slot + 1 < slots else 0
+            e = w[i]
             for d in range(SELF_ATTN_CORE_HEAD_DIM):
                 out4[b, 0, h, d] += e * v_cache[row, slot, g, d]
-        inv_total = 1.0 / total
-        for d in range(SELF_ATTN_CORE_HEAD_DIM):
-            out4[b, 0, h, d] *= inv_total

@@ -204,6 +204,7 @@ class Model(base.DecoderModel):
     MAX_SEQ_LEN = MAX_SEQ_LEN
     ROPE_TABLES = ROPE_TABLES
     DecodeBuffers = DecodeBuffers
+    ATTENTIONS = ATTENTIONS
 
     def run_forward(self, s):
         self.run_layers(s)

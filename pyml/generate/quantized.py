@@ -36,7 +36,6 @@ quantized blocks. Training never sees any of this: it loads the float32 folder.
 from __future__ import annotations
 
 import importlib
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -299,7 +298,7 @@ class DecodingBatch:
             raise PymlError(f"{max_len} positions exceed the spec's max_seq_len {model.MAX_SEQ_LEN}")
         self.decoder, self.capacity, self.max_len, self.chunk = decoder, capacity, max_len, chunk
         self.keys, self.values = [], []
-        for attention in sys.modules[type(model).__module__].ATTENTIONS:
+        for attention in model.ATTENTIONS:
             # a sliding layer's ring: its window, and room for the positions a step adds (decode_rows)
             slots = max(min(window + chunk - 1, max_len) if window else max_len for window in attention["windows"])
             shape = (len(attention["windows"]), capacity, slots, attention["n_kv_heads"], attention["head_dim"])

@@ -148,7 +148,10 @@ def test_activations_round_as_gguf_quantizes_q8_0():
     rng = np.random.default_rng(7)
     x = rng.normal(0, 2, (1, 32 * 40)).astype(np.float32)
     x[0, 64:96] = 0  # a block of zeros: scale 0, values 0
-    x[0, 96:128] = np.float32(0.5) * rng.integers(-9, 10, 32)  # ties at .5 of the scale's inverse
+    x[0, 96:128] = np.float32(0.5) * rng.integers(-9, 10, 32)
+    # exact ties: the largest |x| 127 makes the scale 1, and each value is an integer and a half
+    x[0, 128:160] = rng.integers(-127, 127, 32) + np.float32(0.5)
+    x[0, 128] = 127
     values, scale, total = rounded(x)
     blocks = quantize(x, GGML.Q8_0).reshape(-1, 34)  # (float16 d, 32 int8) per block
     assert np.array_equal(values[0], blocks[:, 2:].view(np.int8).reshape(-1))
