@@ -152,6 +152,25 @@ def test_draws_follow_the_distribution(temperature, top_p):
     assert min(low_tail.min(), high_tail.min()) > 1e-7, (counts / draws, expected)
 
 
+@pytest.mark.parametrize("shape", ["peaked", "nearly flat", "flat", "half on one token"])
+def test_the_nucleus_of_a_large_vocabulary_is_the_whole_sorts(shape):
+    """`nucleus` sorts only the most probable tokens: its set must be the one the whole
+    vocabulary's stable sort gives, ties included, also where those tokens hold less than top_p
+    (half the mass on one token, the rest spread below its thousandth)."""
+    rng = np.random.default_rng(11)
+    size = 50_000
+    values = {"peaked": rng.standard_normal(size) * 3, "nearly flat": rng.standard_normal(size) * 0.01,
+              "flat": np.zeros(size), "half on one token": rng.standard_normal(size) * 0.1}[shape]
+    if shape == "half on one token":
+        values[123] = np.log(np.exp(values).sum() - np.exp(values[123]))
+    probs = np.exp(values - values.max())
+    probs /= probs.sum()
+    for top_p in (0.1, 0.5, 0.9, 0.999, 1 - 1e-12):
+        order = np.argsort(-probs, kind="stable")
+        whole = np.sort(order[:int(np.searchsorted(np.cumsum(probs[order]), top_p)) + 1])
+        assert np.array_equal(generation.nucleus(probs, top_p), whole), top_p
+
+
 def test_temperature_zero_and_a_small_top_p_are_greedy():
     values = logits()
     rng = np.random.default_rng(0)
