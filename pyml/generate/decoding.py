@@ -199,7 +199,8 @@ class Sampler:
         tokens = nucleus(probs, self.top_p) if self.top_p < 1 else np.arange(len(probs))
         kept = probs[tokens]
         if self.min_p > 0:
-            tokens, kept = tokens[kept >= self.min_p * kept.max()], kept[kept >= self.min_p * kept.max()]
+            enough = kept >= self.min_p * kept.max()
+            tokens, kept = tokens[enough], kept[enough]
         return tokens, kept / kept.sum()
 
     def next_token(self, logits: np.ndarray, rng: np.random.Generator, prompt_ids: list[int] = (),
