@@ -281,7 +281,8 @@ class FusedCache:
 class DecodingBatch:
     """The CPU step's sequences: the keys and values of up to `capacity` sequences of up to
     `max_len` positions each, one row of the caches per sequence (attention op i's keys and values:
-    (layers, capacity, slots, kv heads, head dim)), and how many positions of each the caches hold.
+    (layers, capacity, kv heads, slots, head dim), each kv head's slots contiguous, which the
+    step's attention reads as one stream), and how many positions of each the caches hold.
 
     `add` gives a prompt a free row; `step` runs one decode step on the next token of any rows
     and, in the same step, up to `chunk` tokens of the prompts not yet in the caches (in the order
@@ -301,7 +302,7 @@ class DecodingBatch:
         for attention in model.ATTENTIONS:
             # a sliding layer's ring: its window, and room for the positions a step adds (decode_rows)
             slots = max(min(window + chunk - 1, max_len) if window else max_len for window in attention["windows"])
-            shape = (len(attention["windows"]), capacity, slots, attention["n_kv_heads"], attention["head_dim"])
+            shape = (len(attention["windows"]), capacity, attention["n_kv_heads"], slots, attention["head_dim"])
             self.keys.append(np.zeros(shape, model.device.dtype))
             self.values.append(np.zeros(shape, model.device.dtype))
         self.lengths = np.zeros(capacity, np.int64)

@@ -8,7 +8,7 @@ import *`), so a generated model calls each kernel as `k.name`: the kinds' kerne
 the same for every model (AdamW, the residual joins), and what the rendered kernels call.
 """
 
-from pyml.package.cpu.attention import clear_outside_window, row_start
+from pyml.package.cpu.attention import DECODE_GROUP_JOBS, clear_outside_window, row_start
 from pyml.package.kernels_cpu import (
     adamw_grad_norm,
     adamw_scale,
@@ -72,6 +72,7 @@ __all__ = [
     "layernorm_unbiased_backward",
     "layernorm_unbiased_backward_add",
     "layernorm_unbiased_forward",
+    "DECODE_GROUP_JOBS",
     "clear_outside_window",
     "row_start",
     "adamw_grad_norm",

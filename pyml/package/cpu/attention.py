@@ -3,6 +3,12 @@ depend on the spec's dims."""
 
 from numba import njit
 
+# The decode kernels take a whole group of query heads per job (each group's keys and values then
+# come from memory once) when a step has at least this many (entry, kv head) pairs; with fewer
+# (one SmolLM2 sequence has 3 groups, one Gemma 3 270M sequence 1) a job is one query head, so
+# that the pool's threads of a 2-core machine all have work.
+DECODE_GROUP_JOBS = 4
+
 
 @njit(cache=True)
 def row_start(positions, b, t, window):
