@@ -106,6 +106,31 @@ def test_fused_decode_steps_match_the_float32_forward_on_the_same_weights(run, c
     assert worst < 1e-3  # logits of magnitude ~20 (5e-5 here on 2026-12-01)
 
 
+def test_fused_step_at_a_long_context(run):
+    """A sequence of 560 positions, past the longest the other tests decode: its last logits
+    against the float32 forward on the same ids, and, decoded beside a short sequence in one batch
+    (the caches' rows hold each kv head's positions contiguously), the same bits as alone."""
+    from pyml.generate.quantized import DecodingBatch
+
+    ids = np.random.default_rng(7).integers(100, 40000, 560).tolist()
+    prompt = len(ids) - 4
+    full = run.model.forward(np.array([ids]))[0]
+    cache, logits = run.fused.start_decoding(np.array([ids[:prompt]]), len(ids))
+    alone = [logits[0]] + [run.fused.decode(cache, np.array([token]))[0] for token in ids[prompt:-1]]
+    for position, row in zip(range(prompt - 1, len(ids)), alone):
+        assert np.abs(row - full[position]).max() < 1e-3, position
+    batch = DecodingBatch(run.fused, 2, len(ids), chunk=256)
+    long_row, short_row = batch.add(ids[:prompt]), batch.add(ids[:5])
+    together = {}
+    while long_row not in together:
+        together.update(batch.step({short_row: 7} if short_row in together else {}))
+    together = [together[long_row]]
+    for token in ids[prompt:-1]:
+        together.append(batch.step({long_row: token, short_row: 7})[long_row])
+    for mine, theirs in zip(together, alone):
+        np.testing.assert_array_equal(mine, theirs)
+
+
 def test_int8_activations_decode_near_the_float32_forward(run, chat_ids, model_dir):
     """--activations q8_0 rounds every product's input to int8 (as llama.cpp does), the prompt's
     too: the logits move (by up to 1.1 here on 2026-12-04, of magnitude ~20: the error of each
