@@ -139,8 +139,17 @@ class Engine:
         self.jobs: queue.Queue[Job] = queue.Queue(max_queue)
         self.running: dict[int, Sequence] = {}  # by row, those whose prompt is being prefilled too
         self.steps = 0  # decoding steps run: fewer than the tokens drawn when sequences share them
+        self.warm_up()
         self.worker = threading.Thread(target=self.run, name="pyml-decoder", daemon=True)
         self.worker.start()
+
+    def warm_up(self) -> None:
+        """One step on a throwaway one-token prompt, so that the step is compiled (Numba, where
+        its cache is cold: seconds) before /health answers, not while the first request waits.
+        The row's cache positions are overwritten by the next sequence before it reads them."""
+        row = self.batch.add([0])
+        self.batch.step({})
+        self.batch.release(row)
 
     @property
     def active(self) -> int:
@@ -245,7 +254,8 @@ def create_app(engine: Engine) -> FastAPI:
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok", "active": engine.active, "queued": engine.jobs.qsize(),
-                "max_sequences": engine.batch.capacity, "steps": engine.steps}
+                "max_sequences": engine.batch.capacity, "context": engine.batch.max_len,
+                "steps": engine.steps}
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -24,12 +24,18 @@ QUESTION = [{"role": "user", "content": "the cat sat on the"}]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_folders):
-    """(the folder, the server's base URL) while `pyml serve` runs."""
+def server_process(tiny_folders):
+    """(the process, its base URL) while `pyml serve` runs on the tiny Llama folder."""
     process, url = started(tiny_folders["llama"])
-    yield tiny_folders["llama"], url
+    yield process, url
     process.terminate()
-    assert process.wait(timeout=30) == 0  # SIGTERM: the server drains and exits cleanly
+    assert process.wait(timeout=30) == 0  # SIGTERM with nothing in flight: exits cleanly
+
+
+@pytest.fixture(scope="module")
+def server(server_process, tiny_folders):
+    """(the folder, the server's base URL)."""
+    return tiny_folders["llama"], server_process[1]
 
 
 @pytest.fixture(scope="module")
@@ -150,15 +156,48 @@ def test_64_requests_from_16_clients_are_each_answered_as_alone(server, client):
     assert answers == [ask(messages) for messages in questions]  # each, one at a time
 
 
-def test_a_client_that_leaves_mid_stream_frees_the_decoder(server):
-    _, url = server
+def test_clients_that_leave_mid_stream_free_the_decoder_and_its_memory(server_process):
+    """A client that reads one chunk and hangs up: the server's batch and queue are empty again
+    soon after, and after 20 such clients (the first one's allocations aside) its resident memory
+    has not grown."""
+    process, url = server_process
     body = {"model": "tiny", "messages": QUESTION, "max_tokens": 60, "temperature": 0.9, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as response:
-        next(response.iter_lines())
-    deadline = time.monotonic() + 10
-    while (health := httpx.get(f"{url}/health").json())["active"] or health["queued"]:
-        assert time.monotonic() < deadline, health
-        time.sleep(0.05)
+
+    def leave_mid_stream():
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as response:
+            next(response.iter_lines())
+        deadline = time.monotonic() + 10
+        while (health := httpx.get(f"{url}/health").json())["active"] or health["queued"]:
+            assert time.monotonic() < deadline, health
+            time.sleep(0.05)
+
+    leave_mid_stream()
+    idle = resident_bytes(process.pid)
+    for _ in range(20):
+        leave_mid_stream()
+    assert resident_bytes(process.pid) - idle < 4 << 20, (idle, resident_bytes(process.pid))
+
+
+def resident_bytes(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1]) << 10
+
+
+def test_an_answer_that_reaches_the_contexts_end_stops_with_length(server, client):
+    """A prompt three tokens short of the context, no max_tokens: the answer fills the context."""
+    folder, url = server
+    context = httpx.get(f"{url}/health").json()["context"]
+    tokenizer = decoding.load_tokenizer(folder)
+    words = 1
+    while len(tokenizer.encode("the cat " * (words + 1)).ids) <= context - 3:
+        words += 1
+    prompt = "the cat " * words
+    ids = tokenizer.encode(prompt).ids
+    expected = generated(folder, ids, context - len(ids))
+    assert len(expected.new_ids) == context - len(ids) >= 3  # greedy meets no end-of-turn token
+    answer = client.completions.create(model="tiny", prompt=prompt, temperature=0)
+    assert answer.choices[0].finish_reason == "length" and answer.choices[0].text == expected.text
+    assert answer.usage.prompt_tokens + answer.usage.completion_tokens == context
 
 
 def test_models_and_health(server, client):
@@ -197,10 +236,11 @@ def test_malformed_json_gets_400(server):
 
 
 @pytest.mark.slow
-def test_beyond_the_queue_a_request_gets_429(smollm2_folder):
-    """SmolLM2 with one sequence and a queue of one: while one answer is decoded (about 200
-    tokens, seconds here) and one request waits, a third gets 429 with OpenAI's error body; then
-    the two are answered."""
+def test_beyond_the_queue_429_and_on_sigterm_the_requests_in_flight_finish(smollm2_folder):
+    """SmolLM2 with one sequence and a queue of one: while one answer is decoded (200 tokens,
+    seconds here) and one request waits, a third gets 429 with OpenAI's error body. Then SIGTERM:
+    new connections are refused while the two are still being answered, both are answered in
+    full, and the server exits with status 0."""
     process, url = started(smollm2_folder, "--max-sequences", "1", "--max-queue", "1")
     try:
         story = [{"role": "user", "content": "Write a long story about a cat who sails to Paris."}]
@@ -212,7 +252,39 @@ def test_beyond_the_queue_a_request_gets_429(smollm2_folder):
             wait_for_health(url, active=1, queued=1)
             refused = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=30)
             assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_exceeded"
-            assert first.result().status_code == 200 and second.result().status_code == 200
+            process.terminate()
+            deadline = time.monotonic() + 10
+            while True:  # the listening socket closes soon after the signal
+                try:
+                    httpx.get(f"{url}/health", timeout=1)
+                except httpx.ConnectError:
+                    break
+                assert time.monotonic() < deadline, "still accepting connections after SIGTERM"
+                time.sleep(0.01)
+            assert not second.done()  # refused while the queued request still waits for its turn
+            for answer in (first.result(), second.result()):
+                assert answer.status_code == 200, answer.text
+                assert answer.json()["choices"][0]["finish_reason"] in ("stop", "length")
+                assert answer.json()["usage"]["completion_tokens"] > 0
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+@pytest.mark.slow
+def test_a_client_that_leaves_mid_stream_frees_its_row_at_the_next_token(smollm2_folder):
+    """SmolLM2 asked to go on counting, greedy, for up to 1000 tokens: the client hangs up after
+    the first chunk, and the server leaves the sequence within a few steps, not at the answer's end."""
+    process, url = started(smollm2_folder, "--max-sequences", "1")
+    try:
+        body = {"model": "m", "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 1000,
+                "temperature": 0, "stream": True}
+        before = httpx.get(f"{url}/health").json()["steps"]
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            next(line for line in response.iter_lines() if line.startswith("data:"))
+        wait_for_health(url, active=0, queued=0)
+        assert httpx.get(f"{url}/health").json()["steps"] - before < 100
     finally:
         process.terminate()
         assert process.wait(timeout=60) == 0
