@@ -112,6 +112,25 @@ def test_the_other_family_and_a_lora_adapter_are_served_as_pyml_generate_runs_th
         assert process.wait(timeout=30) == 0
 
 
+def test_curl_streams_the_answer_as_docs_serving_shows(server):
+    """docs/serving.md's curl command, run: server-sent events whose deltas make up `pyml
+    generate`'s greedy answer, ending with `data: [DONE]`."""
+    import shutil
+    import subprocess
+
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
+    folder, url = server
+    body = {"model": "tiny", "messages": QUESTION, "max_tokens": 12, "temperature": 0, "stream": True}
+    run = subprocess.run(["curl", "-sN", f"{url}/v1/chat/completions", "-H", "Content-Type: application/json",
+                          "-d", json.dumps(body)], capture_output=True, text=True, timeout=60, check=True)
+    events = [line.removeprefix("data: ") for line in run.stdout.splitlines() if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    text = "".join(chunk["choices"][0]["delta"].get("content") or "" for chunk in chunks)
+    assert text == generated(folder, chat_ids(folder), 12).text
+
+
 def test_completions_continue_the_prompt_as_pyml_generate_does(server, client):
     folder, _ = server
     prompt = "the cat sat on the"
