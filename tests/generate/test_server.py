@@ -87,26 +87,23 @@ def test_every_sampling_option_is_pyml_generates(server, client):
     assert reply.choices[0].message.content == expected.text
 
 
-@pytest.mark.parametrize("family, lora", [("gemma3", False), ("llama", True)])
-def test_the_other_family_and_a_lora_adapter_are_served_as_pyml_generate_runs_them(
-        tiny_folders, tmp_path, family, lora):
-    """`pyml serve` on the tiny Gemma 3 folder, and on the tiny Llama with `--adapter` (a LoRA
-    checkpoint of a few steps, which changes the answer): the greedy continuation of a prompt is
-    `pyml generate`'s (the tiny folders have no chat template: /v1/completions)."""
+def test_a_lora_adapter_is_served_as_pyml_generate_runs_it(tiny_folders, tmp_path):
+    """`pyml serve --adapter` on the tiny Llama (a LoRA checkpoint of a few steps, which changes
+    the answer): the greedy continuation of a prompt is `pyml generate`'s with the adapter (the
+    tiny folders have no chat template: /v1/completions)."""
     from tests.support.model_folders import tiny_training
 
-    folder, adapter = tiny_folders[family], None
-    prompt = "the cat sat on the"
+    folder, prompt = tiny_folders["llama"], "the cat sat on the"
     ids = decoding.load_tokenizer(folder).encode(prompt).ids
-    if lora:
-        adapter = tiny_training(folder, tmp_path / "run", steps=4, lr=0.05, lora_rank=4, lora_alpha=8.0,
-                                lora_targets=["q", "v", "o", "down"]).checkpoint
-        assert generated(folder, ids, 12, adapter=adapter).text != generated(folder, ids, 12).text
-    process, url = started(folder, *(["--adapter", str(adapter)] if lora else []))
+    adapter = tiny_training(folder, tmp_path / "run", steps=4, lr=0.05, lora_rank=4, lora_alpha=8.0,
+                            lora_targets=["q", "v", "o", "down"]).checkpoint
+    expected = generated(folder, ids, 12, adapter=adapter)
+    assert expected.text != generated(folder, ids, 12).text
+    process, url = started(folder, "--adapter", str(adapter))
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         answer = client.completions.create(model="m", prompt=prompt, max_tokens=12, temperature=0)
-        assert answer.choices[0].text == generated(folder, ids, 12, adapter=adapter).text
+        assert answer.choices[0].text == expected.text
     finally:
         process.terminate()
         assert process.wait(timeout=30) == 0
