@@ -209,10 +209,7 @@ def test_clients_that_leave_mid_stream_free_the_decoder_and_its_memory(server_pr
     def leave_mid_stream():
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=30) as response:
             next(response.iter_lines())
-        deadline = time.monotonic() + 10
-        while (health := httpx.get(f"{url}/health").json())["active"] or health["queued"]:
-            assert time.monotonic() < deadline, health
-            time.sleep(0.05)
+        wait_for_health(url, active=0, queued=0)
 
     leave_mid_stream()
     idle = resident_bytes(process.pid)
