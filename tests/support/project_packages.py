@@ -1,7 +1,6 @@
 """This checkout's generated packages (gen/<name>/, one per spec in specs/), imported as pyml
-imports them (`pyml.compile`), under the one module name every process gives them: Numba's cache
-pickles the module name of what it compiled, so a file imported under two names breaks the cache
-of the other (a ModuleNotFoundError when it loads)."""
+imports them (`pyml.compile`), so the tests and the `pyml` commands they run share one Numba cache
+entry per kernel (Numba keys its cache by module name too: `pyml.package.numba_cache`)."""
 
 from pathlib import Path
 

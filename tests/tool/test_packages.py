@@ -1,6 +1,7 @@
 """Where a spec's generated package comes from (`pyml.packages`): a project's gen/ when it is
 current for that very spec, else pyml's cache, generated once, whole, and again when corrupted."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -89,6 +90,42 @@ def test_processes_generating_the_same_spec_at_once_leave_one_whole_entry(cache)
     assert all(run.returncode == 0 for run in runs), [err for _, err in outputs]
     assert len({out.strip() for out, _ in outputs}) == 1
     assert [p.name for p in (cache / "packages").iterdir()] == [Path(outputs[0][0].strip()).name]
+
+
+# One training step of the project's llama_tiny, its package imported as a user imports it
+# (`import gen.llama_tiny` from the project) or as the `pyml` command does (`pyml.compile`).
+ONE_STEP = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    project, how = sys.argv[1], sys.argv[2]
+    if how == "import":
+        sys.path.insert(0, project)
+        import gen.llama_tiny as m
+    else:
+        import pyml
+        m = pyml.compile(project + "/specs/llama_tiny.toml")
+    model = m.Model.initialized(seed=0, dtype=np.float32)
+    ids = np.random.default_rng(0).integers(0, m.model.VOCAB, (2, 9))
+    loss = m.train_step(model, m.AdamW(model, lr=1e-2), ids[:, :-1], ids[:, 1:])
+    print(json.dumps({"module": m.__name__, "loss": loss}))
+""")
+
+
+@pytest.mark.parametrize("first, second", [("import", "compile"), ("compile", "import")])
+def test_a_package_imported_under_two_names_runs_in_either_order_from_a_cold_cache(
+        project, cache, tmp_path, first, second):
+    """Numba's cache pickles the module name of what it compiled: a kernels file imported under two
+    names must not share entries (it did: ModuleNotFoundError: No module named 'gen')."""
+    env = os.environ | {"NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    runs = []
+    for how in (first, second, first):  # the third reads the first's entries after the second wrote
+        result = subprocess.run([sys.executable, "-c", ONE_STEP, str(project), how], env=env,
+                                cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr
+        runs.append(json.loads(result.stdout.splitlines()[-1]))
+    assert runs[0]["module"] != runs[1]["module"] and runs[0]["module"] == runs[2]["module"]
+    assert runs[0]["loss"] == runs[1]["loss"] == runs[2]["loss"]
+    assert any(tmp_path.joinpath("numba").rglob("*.nbi"))  # the cache was used, not bypassed
 
 
 def test_an_unwritable_cache_is_refused_in_one_line(tmp_path, monkeypatch):
