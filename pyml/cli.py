@@ -370,8 +370,9 @@ def serve(
     try:
         from pyml.generate.server import serve as run_server
     except ModuleNotFoundError as error:
-        raise PymlError(f"pyml serve needs {error.name}: install pyml with its [serve] extra "
-                        "(or pip install fastapi uvicorn)") from None
+        raise PymlError(f"pyml serve needs {error.name}: install the pyml-spec wheel with its "
+                        "[serve] extra (pip install \"WHEEL[serve]\"), or pip install fastapi "
+                        "uvicorn") from None
     run_server(model, host, port, max_queue, adapter, weights, activations, max_sequences, context,
                prefill_chunk)
 

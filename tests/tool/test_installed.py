@@ -3,7 +3,8 @@ and used from folders outside the checkout, with a cache of its own. The checkou
 was, and the installed pyml's folder gets nothing written into it.
 
 The environment reuses the project venv's dependencies (a .pth line naming its site-packages)
-and installs the wheel alone: nothing is downloaded. Slow: it builds a wheel, compiles two
+and installs the wheel with its [serve] extra as the README's install line says, with pip kept off
+any index: the dependencies are found installed, and nothing is downloaded. Slow: it builds a wheel, compiles two
 generated packages in a fresh Numba cache, runs SmolLM2-135M twice at once, fine-tunes it for a
 step and exports the checkpoint.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -63,6 +65,14 @@ class Installed:
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def readme_install_requirement() -> str:
+    """What the README's install line gives pip: the wheel that `pip wheel` writes into dist/,
+    with the [serve] extra."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    (requirement,) = re.findall(r'^pip install "(dist/[^"]+\.whl\[serve\])"', readme, flags=re.M)
+    return requirement
+
+
 def git_status() -> str:
     return subprocess.run(["git", "status", "--porcelain", "--untracked-files=all"],
                           cwd=ROOT, capture_output=True, text=True, check=True).stdout
@@ -86,7 +96,7 @@ def installed(tmp_path_factory):
                             "--quiet", "-w", str(base / "wheels"), str(source)],
                            capture_output=True, text=True, timeout=600)
     assert built.returncode == 0, built.stderr
-    wheel = next((base / "wheels").glob("pyml-*.whl"))
+    (wheel,) = (base / "wheels").glob("*.whl")
     environment = base / "venv"
     venv.create(environment, with_pip=False)
     python = environment / "bin" / "python"
@@ -95,10 +105,12 @@ def installed(tmp_path_factory):
         capture_output=True, text=True, check=True).stdout.strip())
     # the dependencies come from the project's environment, after the venv's own site-packages
     (site_packages / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # the README's line, `pip install "dist/WHEEL[serve]"`, with the folder the wheel was built in
+    requirement = readme_install_requirement().replace("dist/", f"{base / 'wheels'}/", 1)
     installing = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install",
-                                 "--no-deps", "--quiet", str(wheel)],
-                                capture_output=True, text=True, timeout=600)
+                                 "--no-index", requirement], capture_output=True, text=True, timeout=600)
     assert installing.returncode == 0, installing.stderr
+    assert "WARNING" not in installing.stderr, installing.stderr  # e.g. "does not provide the extra"
     user = base / "user"
     user.mkdir()
     env = {name: value for name, value in os.environ.items()
