@@ -19,9 +19,11 @@ from typing import Annotated
 
 import typer
 
+from pyml import __version__
+from pyml.cli_help import Typer
 from pyml.errors import PymlError
 
-app = typer.Typer(
+app = Typer(
     help="Declare a model once as a typed spec, prove its laws in Lean 4, generate the kernels "
     "that train and run it.",
     no_args_is_help=True,
@@ -30,6 +32,20 @@ app = typer.Typer(
 )
 
 ROOT = Path.cwd()
+
+
+def print_version(asked: bool) -> None:
+    if asked:
+        print(f"pyml {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def options(
+    version: Annotated[bool, typer.Option("--version", callback=print_version, is_eager=True,
+                                          help="Print pyml's version and exit.")] = False,
+) -> None:
+    pass
 
 
 def user_errors(command: Callable) -> Callable:
@@ -142,7 +158,7 @@ def prove(
     raise typer.Exit(run_lake_build(project_root(root) if root is not None else find_project()))
 
 
-cache_app = typer.Typer(help="pyml's cache of generated packages (PYML_CACHE, default ~/.cache/pyml).",
+cache_app = Typer(help="pyml's cache of generated packages (PYML_CACHE, default ~/.cache/pyml).",
                         no_args_is_help=True)
 app.add_typer(cache_app, name="cache")
 
@@ -188,9 +204,9 @@ def import_gguf(
         "the shipped model's name, or the GGUF's file name without .gguf.")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace --out even when it is not a model folder.")] = False,
 ) -> None:
-    """Dequantise a GGUF into DIR: model.safetensors (Hugging Face layout), config.json, the
+    """Dequantise a GGUF into the folder --out: model.safetensors (Hugging Face layout), config.json, the
     tokenizer, the chat template if it has one, and spec.toml, the pyml spec of the model (named
-    after DIR; a shipped model's is the name of its spec in specs/)."""
+    after the folder; a shipped model's is the name of its spec in specs/)."""
     from pyml.formats.gguf_import import import_gguf as run_import
 
     if path is not None and shipped is not None:
@@ -399,7 +415,7 @@ def evaluate(
           + (f" ({result['examples']:,} examples)" if "examples" in result else ""))
 
 
-bench_app = typer.Typer(help="Benchmarks against PyTorch and transformers (results in bench/results/).",
+bench_app = Typer(help="Benchmarks against PyTorch and transformers (results in bench/results/).",
                         no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 

@@ -8,7 +8,7 @@ function, so a circle cannot hide behind a lazy import.
     codegen                                    (spec -> generated code that imports package)
     packages                                   (spec -> a generated package, via the cache)
     train, generate                            (running a package)
-    cli
+    cli, cli_help                              (the command, and how its help reads)
 
 `pyml` itself (its __init__) stands apart: any module may import it (it puts the thread-pool
 settings in force first, importing base modules only), and its `pyml.compile` reaches the
@@ -31,7 +31,7 @@ STAGES = [
     {"codegen"},
     {"packages", "prove"},
     {"train", "generate"},
-    {"cli"},
+    {"cli", "cli_help"},
 ]
 
 

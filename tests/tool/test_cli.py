@@ -26,6 +26,34 @@ def test_help_lists_the_commands():
         assert command in result.stdout
 
 
+def test_version_and_short_help():
+    version = pyml("--version")
+    assert version.returncode == 0 and version.stdout == "pyml 0.1.0\n"
+    assert pyml("-h").stdout == pyml("--help").stdout
+    assert pyml("serve", "-h").stdout == pyml("serve", "--help").stdout
+
+
+@pytest.mark.parametrize("command, usage", [
+    (["init"], "init [OPTIONS] FOLDER"),
+    (["gen"], "gen [OPTIONS] SPECS..."),
+    (["import-gguf"], "import-gguf [OPTIONS] [PATH]"),
+    (["merge-lora"], "merge-lora [OPTIONS] BASE ADAPTER"),
+    (["train"], "train [OPTIONS]"),
+    (["cache", "list"], "cache list [OPTIONS]"),
+])
+def test_help_reads_as_click_writes_it(command, usage):
+    """Arguments in capitals in the usage line (typer 0.29 writes `{folder}`), no type beside a
+    flag, which takes no value (it writes `--resume <bool>`), several paths as `<path>`."""
+    result = subprocess.run([*PYML, *command, "--help"], cwd=ROOT, capture_output=True, text=True,
+                            env=os.environ | {"COLUMNS": "100"}, timeout=600)
+    assert result.returncode == 0
+    usage_line = result.stdout.splitlines()[1]
+    assert f" {usage} " in usage_line  # after the program's name
+    assert "{" not in usage_line
+    for wrong in ("<bool>", "list["):
+        assert wrong not in result.stdout, wrong
+
+
 def test_the_seed_mismatch_message():
     result = pyml("gen", "specs/bad/mlp_128_to_64.toml")
     assert result.returncode == 2
