@@ -42,9 +42,6 @@ from pyml.package.base import IGNORED_TARGET
 WORLD_SIZE_VARIABLES = (
     "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE", "SLURM_STEP_NUM_TASKS"
 )  # fmt: skip
-# Thread pools of one rank (Numba's OpenMP, numpy's and SciPy's OpenBLAS): the cores of a machine
-# are shared out among the ranks on it, unless the user set these.
-THREAD_VARIABLES = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 DEFAULT_PEER_TIMEOUT = 300.0  # seconds: above a checkpoint save or an evaluation on rank 0
 ABORT_GRACE = 2.0  # seconds another rank waits before aborting: rank 0, failing alike, speaks first
 # seconds between the last line and MPI_Abort: the launcher relays a rank's stderr through a pipe,
@@ -60,6 +57,25 @@ def launched_world_size() -> int:
         if value.isdigit():
             return int(value)
     return 1
+
+
+def share_cores(ranks_here: int) -> None:
+    """Give this rank its share of the machine's cores, in each thread pool the user left unset.
+
+    The pools are already loaded when a rank learns how many ranks share its machine (numpy and
+    Numba are imported with pyml's kernels), so they are limited through their APIs. Numba must
+    not see NUMBA_NUM_THREADS change under it: its compiler re-reads the environment before each
+    compilation and raises once its threads run ("Cannot set NUMBA_NUM_THREADS to a different
+    value once the threads have been launched"), which a cold cache met on the first compile."""
+    threads = max(1, len(os.sched_getaffinity(0)) // ranks_here)
+    if "NUMBA_NUM_THREADS" not in os.environ:
+        import numba
+
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    if "OPENBLAS_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in os.environ:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(threads, user_api="blas")  # numpy's and SciPy's OpenBLAS, from now on
 
 
 class GroupError(PymlError):
@@ -211,10 +227,7 @@ class MpiWorld:
         self.comm = MPI.COMM_WORLD.Dup()
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.context = "while starting"  # where the ranks are, for the timeout messages
-        ranks_here = self.comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size()
-        threads = max(1, len(os.sched_getaffinity(0)) // ranks_here)
-        for name in THREAD_VARIABLES:
-            os.environ.setdefault(name, str(threads))
+        share_cores(self.comm.Split_type(MPI.COMM_TYPE_SHARED).Get_size())
 
     def wait_until(self, done, silence: str, timeout: float | None = None, idle=None) -> None:
         """Poll `done()` (and `idle()`, which advances other work) until it is true; raise
@@ -316,6 +329,9 @@ def process_group(shard_optimizer: bool = False, peer_timeout: float | None = No
         raise SystemExit(2) from None
     except (Exception, KeyboardInterrupt) as error:
         world.abort(error)
+        # MPI_Abort does not return where MPI honours it; where it did (a busy machine), the error
+        # was swallowed here and the command failed on its missing result instead
+        raise SystemExit(2) from None
 
 
 def launch(ranks: int, arguments: list[str]) -> None:
