@@ -166,13 +166,17 @@ app.add_typer(cache_app, name="cache")
 @cache_app.command("list")
 @user_errors
 def cache_list() -> None:
-    """The generated packages in the cache: spec name, key, size, folder."""
-    from pyml.cache import cache_dir, entries
+    """The generated packages in the cache: spec name, key, size of the sources and of Numba's
+    compiled code, folder; then all of Numba's compiled code, pyml's shared kernels and projects'
+    packages included."""
+    from pyml.cache import cache_dir, entries, folder_size, numba_cache_dir
 
     found = entries()
     for entry in found:
-        print(f"{entry.name}  {entry.key}  {entry.size / 2**20:.1f} MiB  {entry.path}")
-    print(f"{len(found)} package(s) in {cache_dir()}")
+        print(f"{entry.name}  {entry.key}  {entry.size / 2**20:.1f} MiB, compiled "
+              f"{entry.compiled / 2**20:.1f} MiB  {entry.path}")
+    print(f"{len(found)} package(s) in {cache_dir()}; Numba's compiled code: "
+          f"{folder_size(numba_cache_dir()) / 2**20:.1f} MiB in {numba_cache_dir()}")
 
 
 @cache_app.command("clear")
