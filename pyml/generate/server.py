@@ -18,6 +18,9 @@ ends or its client disconnects.
 Beyond the batch, requests wait in a queue of `--max-queue`; beyond that a request gets HTTP 429.
 Answers do not depend on the load: the step computes each sequence as it would alone, bit for
 bit, and each request samples from its own seeded generator.
+
+On stderr the server says where it listens once it does, and writes one line per request when its
+answer ends (a streamed one included): method, path, status and seconds (`AccessLog`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from importlib import resources
 import json
 import queue
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -389,6 +393,51 @@ class Reply:
                 "usage": self.usage(completion_tokens)}
 
 
+class AccessLog:
+    """ASGI middleware: one line on stderr per HTTP request, when its answer has been sent or
+    abandoned, so that a streamed answer's time is the whole stream's (uvicorn's own access log
+    writes its line when the answer starts, without a time)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started, status = time.perf_counter(), "-"
+
+        async def send_noting_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_status)
+        finally:
+            print(f"pyml serve: {scope['method']} {scope['path']} {status} "
+                  f"{time.perf_counter() - started:.3f} s", file=sys.stderr, flush=True)
+
+
+def announcing_server(config, engine: Engine, decoder: QuantizedDecoder):
+    """A uvicorn server that says on stderr where it listens once its sockets are bound (the port
+    it got, when asked for port 0)."""
+    import uvicorn
+
+    class AnnouncingServer(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if not self.should_exit:
+                host, port = self.servers[0].sockets[0].getsockname()[:2]
+                url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+                print(f"pyml serve: {url}/v1 ready (model {engine.name}, weights "
+                      f"{decoder.describe_formats()}, {engine.batch.capacity} sequences of "
+                      f"{engine.batch.max_len} positions; chat page {url}/)", file=sys.stderr,
+                      flush=True)
+
+    return AnnouncingServer(config)
+
+
 def serve(model_dir: Path, host: str, port: int, max_queue: int, adapter: Path | None = None,
           weights: str = "as-stored", activations: str = "f32", max_sequences: int = 8,
           context: int | None = None, prefill_chunk: int = PREFILL_CHUNK) -> None:
@@ -413,5 +462,6 @@ def serve(model_dir: Path, host: str, port: int, max_queue: int, adapter: Path |
     # uvicorn drains on SIGTERM, then raises the signal again under the handler it found: this one
     # lets the drained server return, so a SIGTERM ends it with status 0
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    uvicorn.run(create_app(engine), host=host, port=port, log_level="warning",
-                timeout_graceful_shutdown=DRAIN_SECONDS)
+    config = uvicorn.Config(AccessLog(create_app(engine)), host=host, port=port, log_level="warning",
+                            access_log=False, timeout_graceful_shutdown=DRAIN_SECONDS)
+    announcing_server(config, engine, decoder).run()

@@ -8,6 +8,7 @@ error body."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -54,6 +55,20 @@ def generated(folder: Path, ids: list[int], max_tokens: int, sampler=decoding.GR
 def chat_ids(folder: Path) -> list[int]:
     text = ChatTemplate.of_folder(folder).render(QUESTION, add_generation_prompt=True)
     return decoding.load_tokenizer(folder).encode(text, add_special_tokens=False).ids
+
+
+def test_the_server_says_where_it_listens_and_writes_a_line_per_request(server_process, client):
+    process, url = server_process
+    client.models.list()
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="x", max_tokens=0)
+    deadline = time.monotonic() + 10
+    while sum(" /v1/" in line for line in process.output) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    output = "".join(process.output)
+    assert f"pyml serve: {url}/v1 ready (model tiny-llama, weights " in output, output
+    assert re.search(r"^pyml serve: GET /v1/models 200 \d+\.\d{3} s$", output, re.M), output
+    assert re.search(r"^pyml serve: POST /v1/completions 400 \d+\.\d{3} s$", output, re.M), output
 
 
 def test_a_greedy_chat_answer_is_pyml_generates_streamed_or_whole(server, client):
