@@ -1,9 +1,11 @@
 """Training text: a corpus read from disk, split by document, tokenised, packed and batched.
 
 Nothing is downloaded. The default corpus is the Python reference documentation that ships inside
-CPython itself (`pydoc_data.topics`: 79 topics, about 465 KB of English prose); `--data` takes any
-text file or folder of text files instead. Every step is deterministic under a seed, and `Batches`
-exposes its whole state so a checkpoint can restore it exactly.
+CPython itself (`pydoc_data.topics`: 79 topics, about 465 KB of English prose); `--data` takes a
+text file or folder of text files instead (or examples, `pyml.train.examples`; a file that is
+neither is refused, so that JSON or CSV is never trained on as if it were prose). Every step is
+deterministic under a seed, and `Batches` exposes its whole state so a checkpoint can restore it
+exactly.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import numpy as np
 
 from pyml.errors import PymlError
 
-TEXT_SUFFIXES = (".md", ".rst", ".txt")
+TEXT_SUFFIXES = (".md", ".rst", ".txt")  # both kinds compared in lower case: NOTES.TXT is text
+EXAMPLE_SUFFIXES = (".jsonl", ".json")  # what `pyml.train.examples` reads
 DEFAULT_CORPUS_NAME = "pydoc_data (the Python reference documentation shipped with CPython)"
 
 
@@ -28,7 +31,7 @@ class Document:
 
 
 def load_corpus(data: Path | None) -> list[Document]:
-    """The documents of `data` (a text file, or a folder searched recursively for .txt/.md/.rst
+    """The documents of `data` (a .txt/.md/.rst file, or a folder searched recursively for such
     files, sorted by path); with no `data`, the pydoc_data topics sorted by name."""
     if data is None:
         from pydoc_data.topics import topics
@@ -36,9 +39,13 @@ def load_corpus(data: Path | None) -> list[Document]:
         return [Document(name, topics[name]) for name in sorted(topics) if topics[name].strip()]
     data = Path(data)
     if data.is_file():
+        if data.suffix.lower() not in TEXT_SUFFIXES:
+            raise PymlError(
+                f"{data}: neither text ({', '.join(TEXT_SUFFIXES)}) nor examples ({', '.join(EXAMPLE_SUFFIXES)})"
+            )
         paths = [data]
     elif data.is_dir():
-        paths = sorted(p for p in data.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
+        paths = sorted(p for p in data.rglob("*") if p.suffix.lower() in TEXT_SUFFIXES and p.is_file())
         if not paths:
             raise PymlError(
                 f"{data}: no text files in this folder (looked for {', '.join(TEXT_SUFFIXES)})"

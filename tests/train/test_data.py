@@ -106,10 +106,25 @@ def test_data_from_a_folder_and_from_a_file(tmp_path):
     assert load_corpus(tmp_path / "b.md") == [Document(str(tmp_path / "b.md"), "# B\n")]
 
 
+def test_text_suffixes_are_read_in_any_case(tmp_path):
+    (tmp_path / "NOTES.TXT").write_text("Notes\n", encoding="utf-8")
+    (tmp_path / "Guide.Md").write_text("# Guide\n", encoding="utf-8")
+    assert [d.name for d in load_corpus(tmp_path)] == ["Guide.Md", "NOTES.TXT"]
+    assert load_corpus(tmp_path / "NOTES.TXT") == [Document(str(tmp_path / "NOTES.TXT"), "Notes\n")]
+
+
 @pytest.mark.parametrize(
     "make, message",
     [
         (lambda root: root / "missing", "no such file or folder"),
+        (   # a table is not prose: never trained on as if it were
+            lambda root: (root / "chats.csv").write_text("q,a\nhi,hello\n") and root / "chats.csv",
+            r"chats.csv: neither text \(.md, .rst, .txt\) nor examples \(.jsonl, .json\)",
+        ),
+        (
+            lambda root: (root / "weights.bin").write_bytes(bytes(range(256))) and root / "weights.bin",
+            r"weights.bin: neither text",
+        ),
         (lambda root: root, "no text files"),
         (lambda root: (root / "empty.txt").write_text("  \n") and root / "empty.txt", "no text"),
         (

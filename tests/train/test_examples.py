@@ -197,6 +197,209 @@ def test_a_tiny_chat_fine_tune_runs_end_to_end(tiny_folders, tmp_path, capsys, p
         assert rows <= 9 and "packed" in log
 
 
+# A conversation in the tiny llama's alphabet (letters, digits, space, newline, full stop, comma).
+TINY_CHAT = [
+    {"role": "system", "content": "Answer in one sentence."},
+    {"role": "user", "content": "What is the capital of France"},
+    {"role": "assistant", "content": "It is Paris."},
+    {"role": "user", "content": "And of Italy\n\nThanks."},
+    {"role": "assistant", "content": "Rome, the city of seven hills."},
+]
+SPEAKERS = {"system": "system", "user": "human", "assistant": "gpt"}  # ShareGPT's names
+
+
+@pytest.fixture(scope="module")
+def tiny_templates(tiny_folders, tmp_path_factory) -> dict[str, Path]:
+    """The tiny llama's folder with its ChatML-like template; the tiny Gemma 3's with Gemma 3's
+    instruction-tuned one (which folds the system prompt into the first user turn)."""
+    root = tmp_path_factory.mktemp("tiny_templates")
+    return {"llama": tiny_folders["llama"],
+            "gemma3": folder_with_template(tiny_folders["gemma3"], root / "gemma3", GEMMA3_IT)}
+
+
+def read_one(path: Path, line: dict) -> examples.Record:
+    path.write_text(json.dumps(line) + "\n", encoding="utf-8")
+    (record,) = examples.read_records(path)
+    return record
+
+
+def same_example(got: examples.Example, want: examples.Example) -> None:
+    assert (got.ids, got.targets) == (want.ids, want.targets)
+    assert any(got.targets) and not all(got.targets)
+
+
+# Each line, and the `messages` chat it stands for, written out by hand (not by pyml's mapping).
+EQUIVALENT_CHATS = {
+    "ShareGPT": ({"conversations": [{"from": SPEAKERS[m["role"]], "value": m["content"]} for m in TINY_CHAT]},
+                 TINY_CHAT),
+    "ShareGPT, its system prompt beside the turns": (
+        {"system": TINY_CHAT[0]["content"],
+         "conversations": [{"from": SPEAKERS[m["role"]], "value": m["content"]} for m in TINY_CHAT[1:]]},
+        TINY_CHAT),
+    "Alpaca": ({"instruction": "Name the capital.", "input": "France", "output": "Paris.",
+                "system": "Answer in one word.", "text": "a formatted prompt, not trained on"},
+               [{"role": "system", "content": "Answer in one word."},
+                {"role": "user", "content": "Name the capital.\nFrance"},
+                {"role": "assistant", "content": "Paris."}]),
+    "Alpaca, no input": ({"instruction": "Name the capital of France.", "input": "", "output": "Paris."},
+                         [{"role": "user", "content": "Name the capital of France."},
+                          {"role": "assistant", "content": "Paris."}]),
+    "TRL conversational prompt-completion": ({"prompt": TINY_CHAT[:2], "completion": TINY_CHAT[2:3]},
+                                             TINY_CHAT[:3]),
+}
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("case", list(EQUIVALENT_CHATS))
+def test_other_shapes_are_the_chats_they_stand_for(tiny_templates, tmp_path, family, case):
+    """A ShareGPT, Alpaca or TRL conversational line gives the tokens and answer targets of the
+    `messages` chat it stands for, rendered by the folder's own template."""
+    line, messages = EQUIVALENT_CHATS[case]
+    tokens = tokenization(tiny_templates[family])
+    record = read_one(tmp_path / "data.jsonl", line)
+    assert record.shape in examples.CHAT_SHAPES and record.shape != "chat"
+    same_example(tokens.example(record), tokens.example(read_one(tmp_path / "chat.jsonl", {"messages": messages})))
+
+
+def test_trl_prompt_completion_trains_on_the_completion_only(tiny_templates, tmp_path):
+    """As TRL's completion-only loss: an assistant turn in the prompt is context, not a target."""
+    tokens = tokenization(tiny_templates["llama"])
+    record = read_one(tmp_path / "data.jsonl", {"prompt": TINY_CHAT[:4], "completion": TINY_CHAT[4:]})
+    example = tokens.example(record)
+    whole = tokens.example(read_one(tmp_path / "chat.jsonl", {"messages": TINY_CHAT}))
+    assert example.ids == whole.ids
+    decoded = [tokens.tokenizer.decode(run, skip_special_tokens=False) for run in target_runs(example)]
+    assert decoded == [TINY_CHAT[4]["content"] + "<|im_end|>"]
+    everything = tokenization(tiny_templates["llama"], train_on="all").example(record)
+    assert all(everything.targets)
+
+
+def tiny_chat_lines(count: int) -> list[dict]:
+    return [{"messages": [{"role": "user", "content": f"cat {n}"}, {"role": "assistant", "content": f"mat {n}"}]}
+            for n in range(count)]
+
+
+def test_json_arrays_json_lines_in_a_json_file_and_any_case_read_as_jsonl(tiny_templates, tmp_path):
+    """chats.jsonl, CHATS.JSONL, a .json array (as json.dump writes a list, indented or not) and a
+    .json of JSON Lines (as datasets' to_json writes) give the same examples; each names its file
+    and the line the example starts on."""
+    lines = tiny_chat_lines(3)
+    jsonl = "".join(json.dumps(line) + "\n" for line in lines)
+    files = {"chats.jsonl": jsonl, "CHATS.JSONL": jsonl, "lines.json": jsonl,
+             "array.json": json.dumps(lines, indent=2), "Array.Json": json.dumps(lines),
+             "notepad.json": "\ufeff" + json.dumps(lines)}  # after the byte-order mark Notepad writes
+    for name, text in files.items():
+        (tmp_path / name).write_text(text, encoding="utf-8")
+    tokens = tokenization(tiny_templates["llama"])
+    read = {name: examples.load_examples(tmp_path / name, tokens) for name in files}
+    want = [(example.ids, example.targets) for example in read["chats.jsonl"]]
+    for name in files:
+        assert examples.is_jsonl(tmp_path / name)
+        assert [(example.ids, example.targets) for example in read[name]] == want, name
+    starts = [number for number, line in enumerate(files["array.json"].splitlines(), start=1) if line == "  {"]
+    assert [example.where for example in read["array.json"]] == [f"{tmp_path / 'array.json'}:{n}" for n in starts]
+    assert [example.where for example in read["CHATS.JSONL"]] == [f"{tmp_path / 'CHATS.JSONL'}:{n}" for n in (1, 2, 3)]
+    assert examples.is_jsonl(tmp_path) and len(examples.load_examples(tmp_path, tokens)) == 3 * len(files)
+
+
+BAD_EXAMPLES = {
+    "a tool turn": ({"conversations": [{"from": "human", "value": "hi"}, {"from": "tool", "value": "{}"}]},
+                    "conversations[1] is from 'tool'; the speakers are human, user, gpt, assistant, system"),
+    "a turn with no value": ({"conversations": [{"from": "human", "content": "hi"}]},
+                             "conversations[0] must have a string \"value\""),
+    "an Alpaca output that is no string": ({"instruction": "x", "output": ["y"]}, "\"output\" must be a string"),
+    "a completion that is no list of messages": ({"prompt": [{"role": "user", "content": "x"}], "completion": "y"},
+                                                 "\"completion\" must be a non-empty list of messages"),
+    "a role TRL's prompt cannot have": ({"prompt": [{"role": "robot", "content": "x"}],
+                                        "completion": [{"role": "assistant", "content": "y"}]},
+                                       "prompt[0] has role 'robot'"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_EXAMPLES))
+def test_bad_examples_of_the_other_shapes_are_named_by_file_and_line(tmp_path, case):
+    line, message = BAD_EXAMPLES[case]
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps([{"instruction": "fine", "output": "fine"}, line], indent=1), encoding="utf-8")
+    with pytest.raises(PymlError, match=re.escape(f"{path}:6: {message}")):  # the fine item takes lines 2-5
+        examples.read_records(path)
+
+
+def test_a_completion_with_no_assistant_turn_is_refused(tiny_templates, tmp_path):
+    record = read_one(tmp_path / "bad.jsonl", {"prompt": TINY_CHAT[:2], "completion": [TINY_CHAT[3]]})
+    with pytest.raises(PymlError, match="bad.jsonl:1: no assistant turn to train on"):
+        tokenization(tiny_templates["llama"]).example(record)
+
+
+def pyml_cli(*args, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, "-m", "pyml.cli", *map(str, args)], cwd=cwd, env=env,
+                          capture_output=True, text=True)
+
+
+NOT_DATA = {
+    "chats.csv": b"question,answer\nhi,hello\n",
+    "weights.bin": bytes(range(256)),
+    "chats.json": json.dumps({"messages": TINY_CHAT}, indent=2).encode(),  # one object, not one a line
+    "binary.json": bytes(range(128, 256)),
+}
+NEITHER = "neither text (.md, .rst, .txt) nor examples (.jsonl, .json)"
+REFUSALS = {
+    "data": {"chats.csv": NEITHER, "weights.bin": NEITHER,
+             "chats.json": "neither a JSON array of examples nor JSON Lines (one example a line)",
+             "binary.json": "not UTF-8 text (byte 0)"},
+    "eval-data": {"chats.csv": "examples are .jsonl or .json files (in any case), not .csv",
+                  "chats.json": "neither a JSON array of examples nor JSON Lines (one example a line)"},
+}
+
+
+@pytest.mark.parametrize("command", ["train --data", "train --eval-data", "eval --data"])
+def test_data_that_is_neither_text_nor_examples_is_refused_in_one_line(tiny_folders, tmp_path, command):
+    """pyml train --data, --eval-data and pyml eval --data: a file that is neither text nor a known
+    layout of examples is refused in one line that names it, before anything is written."""
+    folder = tiny_folders["llama"]
+    for name, content in NOT_DATA.items():
+        (tmp_path / name).write_bytes(content)
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(line) + "\n" for line in tiny_chat_lines(4)))
+    refusals = REFUSALS["eval-data" if command == "train --eval-data" else "data"]
+    if command == "eval --data":
+        refusals = {name: refusals[name] for name in ("chats.csv", "chats.json")}
+    for name, message in refusals.items():
+        if command == "eval --data":
+            result = pyml_cli("eval", "--model", folder, "--data", name, "--seq", 16, cwd=tmp_path)
+        else:
+            data = ["--data", "chats.jsonl", "--eval-data", name] if "eval" in command else ["--data", name]
+            result = pyml_cli("train", "--spec", ROOT / "specs" / "llama_tiny.toml", "--init", folder, *data,
+                              "--seq", "16", "--out", "run", cwd=tmp_path)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+        assert lines[0] == f"error: {name}: {message}", lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_sharegpt_json_array_trains_with_alpaca_jsonl_held_out_and_scores_as_pyml_eval_does(
+        tiny_folders, tmp_path, capsys):
+    """The layouts people download: a .json array of ShareGPT chats to train on, an upper-case
+    .JSONL of Alpaca instructions held out; `pyml eval` reads the .JSONL as it reads a .jsonl."""
+    from pyml.train.evaluation import evaluate_folder
+    from pyml.train.run import train
+
+    sharegpt = tmp_path / "chats.json"
+    sharegpt.write_text(json.dumps([{"conversations": [{"from": "human", "value": f"cat {n}"},
+                                                       {"from": "gpt", "value": f"mat {n}"}]}
+                                    for n in range(20)], indent=2), encoding="utf-8")
+    alpaca = [{"instruction": "Say where the cat sat.", "input": f"cat {n}", "output": f"mat {n}"} for n in range(4)]
+    held_out = tmp_path / "HELD_OUT.JSONL"
+    held_out.write_text("".join(json.dumps(line) + "\n" for line in alpaca), encoding="utf-8")
+    result = train(ROOT / "specs" / "llama_tiny.toml", init=tiny_folders["llama"], data=sharegpt, eval_data=held_out,
+                   steps=1, batch=2, seq=64, eval_every=1, eval_batches=1, out=tmp_path / "run", progress=False)
+    assert result.step == 1 and all(np.isfinite(evaluation["loss"]) for evaluation in result.evaluations)
+    assert re.search(rf"data: {re.escape(str(sharegpt))}: 20 train examples .* 4 held out", capsys.readouterr().out)
+    lower = shutil.copy(held_out, tmp_path / "held_out.jsonl")
+    scored = [evaluate_folder(tiny_folders["llama"], path, seq=64, batch=1) for path in (held_out, lower)]
+    assert scored[0] == scored[1] and scored[0]["examples"] == 4
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["smollm2", "gemma3"])
 def test_a_real_model_learns_its_chats_and_training_scores_them_as_pyml_eval_does(
