@@ -298,7 +298,7 @@ def generate(
 def train(
     spec: Annotated[Path | None, typer.Option(help="The spec to train. Default: the --init folder's spec.toml.")] = None,
     init: Annotated[Path | None, typer.Option(help="Model folder from `pyml import-gguf`: starting weights and, for decoders, the tokenizer (required for decoders).")] = None,
-    data: Annotated[Path | None, typer.Option(help="A text file or folder of .txt/.md/.rst files, or JSONL examples (a .jsonl file or a folder of them: chats {\"messages\": [...]}, instructions {\"prompt\", \"completion\"} or texts {\"text\"}), for decoders. Default: the Python reference docs shipped with CPython (pydoc_data); sequential models use scikit-learn's digits.")] = None,
+    data: Annotated[Path | None, typer.Option(help="A text file or folder of .txt/.md/.rst files, or examples (a .jsonl or .json file, JSON Lines or a JSON array, or a folder of them: chats {\"messages\"}, ShareGPT {\"conversations\"}, Alpaca {\"instruction\", \"input\", \"output\"}, prompt/completion pairs of strings or of messages, or texts {\"text\"}), for decoders. Default: the Python reference docs shipped with CPython (pydoc_data); sequential models use scikit-learn's digits.")] = None,
     eval_data: Annotated[Path | None, typer.Option(help="Held-out JSONL examples. Default: a tenth of --data's examples, chosen by --seed.")] = None,
     train_on: Annotated[str | None, typer.Option(help="JSONL chats and instructions: assistant (the loss on the answers only, the default) or all.")] = None,
     long_examples: Annotated[str | None, typer.Option(help="JSONL examples longer than --seq: truncate (the default) or drop.")] = None,
