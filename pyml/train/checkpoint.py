@@ -7,8 +7,11 @@ Beside those it holds optimizer.safetensors (AdamW's exp_avg and exp_avg_sq as f
 and state.json (the step, the optimizer's step count, the parameter layout those flat tensors
 follow, the data position and generator state, the losses so far and the run's configuration). A
 checkpoint is written into a hidden temporary folder and renamed into place, so any `step_*`
-folder is complete; the latest is the one with the highest step. Older ones are deleted only
-after a newer one is in place, so a crash never leaves a run without one.
+folder is complete; the latest is the one with the highest step. Every checkpoint is kept unless
+the run's config has `keep` (`--keep N`): then, once a new one is in place, all but the N newest
+are deleted, except the best (the lowest held-out loss among the checkpointed steps that were
+evaluated), as transformers' `save_total_limit` with `load_best_model_at_end` keeps it. So a crash
+never leaves a run without its latest checkpoint, and the latest and the best are never deleted.
 
 The checkpoint of a LoRA model (one with frozen base weights) is a `peft` adapter folder instead
 (`pyml.train.lora`: adapter_config.json, adapter_model.safetensors, the tokenizer) beside the
@@ -69,11 +72,21 @@ def latest_checkpoint(out: Path) -> Path | None:
     return checkpoints[-1] if checkpoints else None
 
 
+def refuse_used_run_folder(out: Path) -> None:
+    """A fresh run (no --resume) into a folder that holds a checkpoint would mix two runs."""
+    checkpoint = latest_checkpoint(out)
+    if checkpoint is not None:
+        raise PymlError(
+            f"{out} already holds a checkpoint ({checkpoint.name}): pass --resume to continue "
+            "that run, or choose another --out"
+        )
+
+
 def save_checkpoint(
     out: Path, model, optimizer, state: dict, model_files: dict[str, bytes] | None = None
 ) -> Path:
-    """Write the checkpoint of `state["step"]` into `out` and return its folder; then delete the
-    older checkpoints. `model_files` (name -> content) are the model folder's files beside the
+    """Write the checkpoint of `state["step"]` into `out` and return its folder; then, if the run's
+    config has `keep`, delete the checkpoints it does not keep (`checkpoints_to_delete`). `model_files` (name -> content) are the model folder's files beside the
     weights (`model_folder.folder_files`, or `lora.adapter_files` for a LoRA model). A checkpoint already saved for that step is kept as it
     is (the same run at the same step has the same weights, optimizer state and data position)."""
     out = Path(out)
@@ -96,12 +109,29 @@ def save_checkpoint(
                     {**state, "optimizer_step_count": optimizer.step_count,
                      "parameter_layout": model.params.LAYOUT},
                 )
-        for older in list_checkpoints(out)[:-1]:
-            if older != final:
-                shutil.rmtree(older)
+        # a state without the run's config (a caller of its own) keeps every checkpoint
+        keep = state.get("config", {}).get("keep")
+        for unkept in checkpoints_to_delete(list_checkpoints(out), keep, state.get("evaluations", [])):
+            shutil.rmtree(unkept)
     except OSError as error:
         raise PymlError(f"{final}: cannot write the checkpoint: {os_error(error)}") from None
     return final
+
+
+def checkpoints_to_delete(checkpoints: list[Path], keep: int | None,
+                          evaluations: list[dict]) -> list[Path]:
+    """Of `checkpoints` (oldest first), those that `--keep keep` does not keep: all but the `keep`
+    newest and the best, the one whose step has the lowest held-out loss. None keeps all."""
+    if keep is None:
+        return []
+    held_out_loss = {evaluation["step"]: evaluation["loss"] for evaluation in evaluations}
+    evaluated = [path for path in checkpoints if checkpoint_step(path) in held_out_loss]
+    best = min(evaluated, key=lambda path: held_out_loss[checkpoint_step(path)], default=None)
+    return [path for path in checkpoints[:-keep] if path != best]
+
+
+def checkpoint_step(checkpoint: Path) -> int:
+    return int(Path(checkpoint).name.removeprefix(CHECKPOINT_PREFIX))
 
 
 def is_lora(model) -> bool:

@@ -22,6 +22,7 @@ from pyml.outputs import remove_stale_temporaries
 from pyml.train.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
+    refuse_used_run_folder,
 )
 from pyml.train.config import TrainingConfig
 from pyml.train.data import (
@@ -33,6 +34,14 @@ from pyml.train.evaluation import describe_evaluation, evaluate
 from pyml.train.loss_curve import LOSS_CURVE_FILE, write_loss_curve
 from pyml.train.metrics import Metrics
 from pyml.train.schedule import learning_rate
+
+# More passes over the training rows than this and a run is told it will likely memorise them:
+# fine-tunes take 1 to 3 epochs (transformers' and TRL's default is 3); the README's old quick
+# start, 200 steps of 2 rows over the 1 row its five chats pack into, made 400 passes.
+MANY_PASSES = 5
+# Held-out losses rising this many evaluations in a row: the run is fitting its training
+# examples rather than the task (as early stopping's patience counts).
+RISES_TO_WARN = 3
 
 
 @dataclass
@@ -102,12 +111,10 @@ def run_training(
         batches.load_state(state["data"])
         step, train_losses, evaluations = state["step"], state["train_losses"], state["evaluations"]
     else:
-        if checkpoint is not None:
-            raise PymlError(
-                f"{out} already holds a checkpoint ({checkpoint.name}): pass --resume to continue "
-                "that run, or choose another --out"
-            )
+        refuse_used_run_folder(out)
         step, train_losses, evaluations = 0, [], []
+    if group.is_root and (warning := many_passes_warning(config, batches.rows)):
+        print(warning)
     metrics = Metrics(out, step if resume else None, config.log) if group.is_root else None
 
     def save() -> Path:
@@ -176,9 +183,37 @@ def run_training(
                 evaluations.append(evaluation)
                 metrics.evaluation(evaluation)
                 bar.write(describe_evaluation(evaluation))
+                if warning := rising_loss_warning(evaluations):
+                    bar.write(warning)
             if step % config.checkpoint_every == 0 or step == config.steps:
                 checkpoint = save()
     return TrainingResult(step, train_losses, evaluations, checkpoint)
+
+
+def many_passes_warning(config: TrainingConfig, rows: int) -> str | None:
+    """A warning when the run's steps pass over its `rows` training rows more than MANY_PASSES
+    times (the last rows of an epoch that fill no batch wait for the next epoch's order)."""
+    rows_per_step = config.batch * (config.accumulate or 1)
+    passes = config.steps * rows_per_step / rows
+    if passes <= MANY_PASSES:
+        return None
+    return (f"warning: {config.steps} steps of {rows_per_step} rows pass over the {rows} training "
+            f"rows {passes:.1f} times; a model shown so few examples so often memorises them (its "
+            "held-out loss rises): train fewer --steps or --epochs, or on more data")
+
+
+def rising_loss_warning(evaluations: list[dict]) -> str | None:
+    """A warning when the held-out loss has risen RISES_TO_WARN or more evaluations in a row."""
+    rises = 0
+    while rises + 1 < len(evaluations) and evaluations[-rises - 1]["loss"] > evaluations[-rises - 2]["loss"]:
+        rises += 1
+    if rises < RISES_TO_WARN:
+        return None
+    start, best = evaluations[-rises - 1], min(evaluations, key=lambda evaluation: evaluation["loss"])
+    return (f"warning: the held-out loss rose {rises} evaluations in a row, from {start['loss']:.4f} "
+            f"at step {start['step']} to {evaluations[-1]['loss']:.4f}: the model is memorising its "
+            f"training examples; the lowest was {best['loss']:.4f} at step {best['step']} (lower "
+            "--lr, train fewer --steps or --epochs, or on more data)")
 
 
 def last_good(checkpoint: Path | None) -> str:

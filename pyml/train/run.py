@@ -18,7 +18,7 @@ from types import ModuleType
 import numpy as np
 
 from pyml.errors import PymlError
-from pyml.formats.model_folder import folder_files, weights_file
+from pyml.formats.model_folder import SPEC_FILE, folder_files, weights_file
 from pyml.outputs import check_destination
 from pyml.packages import package_for
 from pyml.train import examples
@@ -26,13 +26,16 @@ from pyml.train.checkpoint import (
     is_run_folder,
     latest_checkpoint,
     read_state,
+    refuse_used_run_folder,
 )
 from pyml.train.config import (
     COMMON_DEFAULTS,
     FIXED_ON_RESUME,
     FORM_DEFAULTS,
+    LORA_LR,
     TrainingConfig,
     check_config,
+    with_steps_for_epochs,
 )
 from pyml.train.data import (
     DEFAULT_CORPUS_NAME,
@@ -76,19 +79,31 @@ def train(
     min_lr: float | None = None,
     log: str | None = None,
     packing: bool | None = None,
+    epochs: float | None = None,
+    keep: int | None = None,
 ) -> TrainingResult:
     """Train the generated package of the spec at `spec_path` (default: the `init` folder's
-    spec.toml); options left as None take the checkpoint's values when resuming, else the
-    defaults above. Prints a summary at the end. `group` is this process's part in data-parallel
+    spec.toml, or when resuming the checkpoint's); options left as None take the checkpoint's
+    values when resuming, else the defaults in `pyml.train.config`. `steps`, when given, overrides
+    `epochs` (as transformers' max_steps overrides num_train_epochs). Prints a summary at the end. `group` is this process's part in data-parallel
     training (`pyml.train.distributed`). `lora_rank` (with `lora_alpha` and `lora_targets`)
     trains LoRA adapters instead (see above)."""
     from pyml.packages import spec_file
     from pyml.spec import SequentialModel, load_spec
 
     out = Path(out)
-    if not resume:  # a resume checks its own --out: a checkpoint must be there
+    # the run folder first, before any spec, weights or data is loaded
+    if resume:
+        checkpoint = latest_checkpoint(out)
+        if checkpoint is None:
+            raise PymlError(f"{out}: no checkpoint to resume from; run without --resume to start")
+        base = read_state(checkpoint)["config"]
+    else:
         check_destination(out, "a training run (its checkpoints and loss.png)", is_run_folder, None)
-    if spec_path is None:
+        refuse_used_run_folder(out)
+    if spec_path is None and resume and init is None:
+        spec_path = resumed_spec(checkpoint, base)
+    elif spec_path is None:
         if init is None or not Path(init).is_dir():
             raise PymlError("give --spec, or --init with a model folder (its spec.toml is trained)")
         spec_path = spec_file(Path(init))
@@ -103,13 +118,9 @@ def train(
         "train_on": train_on, "long_examples": long_examples,
         "eval_data": None if eval_data is None else str(eval_data), "accumulate": accumulate,
         "schedule": schedule, "warmup_steps": warmup_steps, "min_lr": min_lr, "log": log,
-        "packing": packing,
+        "packing": packing, "epochs": epochs, "keep": keep,
     }  # fmt: skip
     if resume:
-        checkpoint = latest_checkpoint(out)
-        if checkpoint is None:
-            raise PymlError(f"{out}: no checkpoint to resume from; run without --resume to start")
-        base = read_state(checkpoint)["config"]
         for name in FIXED_ON_RESUME:
             if given.get(name) is not None and given[name] != base.get(name):
                 raise PymlError(
@@ -125,8 +136,14 @@ def train(
     else:
         base = {**COMMON_DEFAULTS, **FORM_DEFAULTS[form], "spec": spec.name}
         lora = new_lora(given_lora, form)
+        if lora is not None:
+            base["lr"] = LORA_LR
     values = {**base, **{name: value for name, value in given.items() if value is not None},
               "lora": lora}
+    if steps is not None:  # --steps overrides --epochs, as max_steps overrides num_train_epochs
+        values["epochs"] = None
+    elif epochs is not None:  # counted from the epochs once the data are loaded
+        values["steps"] = None
     if lora is not None and values.get("init") is not None:
         digest = base_weights_digest(Path(values["init"]))
         if resume and base.get("base_weights") not in (None, digest):
@@ -162,12 +179,28 @@ def train(
         train_pairs, held_out_pairs = digits_pairs(config, package)
     else:
         train_pairs, held_out_pairs = text_pairs(config, package)
+    if config.steps is None:
+        config = with_steps_for_epochs(config, len(train_pairs[0]))
+        print(f"steps: {config.steps} ({config.epochs:g} epochs of {len(train_pairs[0])} rows, "
+              f"{config.batch * (config.accumulate or 1)} rows a step)")
     result = run_training(
         package, model, train_pairs, held_out_pairs, config, out, resume, progress, group,
         model_files,
     )
     print(describe_result(result, out))
     return result
+
+
+def resumed_spec(checkpoint: Path, recorded: dict) -> Path:
+    """The spec a resume without --spec or --init trains: the one the checkpoint holds, or for a
+    LoRA checkpoint (an adapter folder) its base's, the --init folder it recorded."""
+    from pyml.packages import spec_file
+
+    if (checkpoint / SPEC_FILE).is_file():
+        return checkpoint / SPEC_FILE
+    if recorded.get("init") is None:
+        raise PymlError(f"{checkpoint} holds no {SPEC_FILE} and names no --init: give --spec")
+    return spec_file(Path(recorded["init"]))
 
 
 def new_lora(given: dict, form: str) -> dict | None:

@@ -300,7 +300,9 @@ def tiny_training(init: Path, out: Path, **options):
     """A few float64 steps of llama_tiny from `init`, checkpoints every 2 steps."""
     from pyml.train.run import train
 
+    # a constant rate: the tests resume a run of 2 steps to 4 and compare it with a run of 4,
+    # which a decaying schedule (the decoders' default, linear) would make two different runs
     values = dict(steps=4, batch=2, seq=16, lr=3e-3, eval_every=2, eval_batches=2,
-                  checkpoint_every=2, dtype="float64")  # fmt: skip
+                  checkpoint_every=2, dtype="float64", schedule="constant")  # fmt: skip
     return train(SPECS / "llama_tiny.toml", init=init, data=tiny_text(out.parent / "text.txt"),
                  out=out, progress=False, **(values | options))  # fmt: skip

@@ -1,6 +1,8 @@
-"""The training loop: resume is bit-identical, Ctrl-C saves the finished step, a non-finite loss
-keeps the last checkpoint, the digits MLP reaches its stated accuracy, and (slow) the real
-SmolLM2-135M trains on the Python documentation."""
+"""The training loop: resume is bit-identical (from the run folder alone too), Ctrl-C saves the
+finished step, a non-finite loss keeps the last checkpoint, --keep prunes checkpoints, --epochs
+counts steps as transformers does, the run warns of many passes and a rising held-out loss, the
+digits MLP reaches its stated accuracy, and (slow) the real SmolLM2-135M trains on the Python
+documentation."""
 
 import dataclasses
 import shutil
@@ -16,8 +18,11 @@ from pyml.train.checkpoint import latest_checkpoint, list_checkpoints, read_stat
 from pyml.train.config import TrainingConfig
 from pyml.train.data import encode_documents, load_corpus, next_token_pairs, pack, split_documents
 from pyml.train.digits import load_digits_split
+from pyml.train import loop
+from pyml.train.config import steps_for_epochs
 from pyml.train.loop import run_training
 from pyml.train.run import train
+from tests.support.model_folders import tiny_training
 from tests.support.project_packages import project_package
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,7 +79,9 @@ def test_resume_continues_bit_identically(tiny_text, tmp_path):
     assert [e for e in resumed.evaluations if e["step"] != 3] == straight.evaluations
     assert (resumed_model.params.flat == straight_model.params.flat).all()
     assert straight.train_losses[-1] < straight.train_losses[0]
-    assert [p.name for p in list_checkpoints(tmp_path / "halves")] == ["step_000006"]
+    # every checkpoint is kept (no --keep): the first half's 2 and 3, the second's 4 and 6
+    assert [p.name for p in list_checkpoints(tmp_path / "halves")] == [
+        "step_000002", "step_000003", "step_000004", "step_000006"]
     assert (tmp_path / "halves" / "loss.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -117,7 +124,7 @@ def test_a_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tiny_text, t
     poisoned = SimpleNamespace(AdamW=llama.AdamW, train_step=train_step_with_nan_weights)
     with pytest.raises(PymlError, match=r"step 5: non-finite loss .*step_000004.*--resume"):
         train_tiny(tiny_text, tmp_path, config(steps=6), package=poisoned)
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000004"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000002", "step_000004"]
     state = read_state(tmp_path / "step_000004")
     assert state["step"] == 4 and all(np.isfinite(state["train_losses"]))
 
@@ -128,6 +135,97 @@ def test_a_fresh_run_into_a_used_folder_is_refused(tiny_text, tmp_path):
         train_tiny(tiny_text, tmp_path, config(steps=2))
     with pytest.raises(PymlError, match="no checkpoint to resume"):
         train_tiny(tiny_text, tmp_path / "empty", config(steps=2), resume=True)
+
+
+def test_keep_2_leaves_exactly_the_two_newest_checkpoints(tiny_text, tmp_path):
+    result, _ = train_tiny(tiny_text, tmp_path, config(steps=6, keep=2))
+    losses = [evaluation["loss"] for evaluation in result.evaluations]
+    assert losses == sorted(losses, reverse=True)  # falling: the best is the latest
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000004", "step_000006"]
+
+
+def test_many_passes_over_few_rows_are_warned_of(tiny_text, tmp_path, capsys):
+    (inputs, targets), held_out = tiny_text
+    four_rows = ((inputs[:4], targets[:4]), held_out)
+    train_tiny(four_rows, tmp_path / "ten", config(steps=10, batch=2))  # 5 passes: no warning
+    assert "warning" not in capsys.readouterr().out
+    train_tiny(four_rows, tmp_path / "twelve", config(steps=12, batch=2))
+    assert ("warning: 12 steps of 2 rows pass over the 4 training rows 6.0 times"
+            in capsys.readouterr().out)
+    train_tiny(four_rows, tmp_path / "accumulated", config(steps=6, batch=1, accumulate=4))
+    assert ("warning: 6 steps of 4 rows pass over the 4 training rows 6.0 times"
+            in capsys.readouterr().out)
+
+
+def test_a_held_out_loss_rising_three_evaluations_in_a_row_is_warned_of(tiny_text, tmp_path, monkeypatch, capsys):
+    # the held-out loss at steps 0, 1, ..., 7: falls, then rises 1, 2, 3 and 4 times in a row
+    held_out_losses = iter([3.0, 2.0, 2.5, 2.6, 2.7, 2.8, 2.4, 2.9])
+    monkeypatch.setattr(loop, "evaluate", lambda model, pairs, config: {"loss": next(held_out_losses)})
+    train_tiny(tiny_text, tmp_path, config(steps=7, eval_every=1, checkpoint_every=7))
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning")]
+    assert warnings == [
+        "warning: the held-out loss rose 3 evaluations in a row, from 2.0000 at step 1 to 2.7000: "
+        "the model is memorising its training examples; the lowest was 2.0000 at step 1 (lower "
+        "--lr, train fewer --steps or --epochs, or on more data)",
+        "warning: the held-out loss rose 4 evaluations in a row, from 2.0000 at step 1 to 2.8000: "
+        "the model is memorising its training examples; the lowest was 2.0000 at step 1 (lower "
+        "--lr, train fewer --steps or --epochs, or on more data)",
+    ]  # step 6 fell, and step 7's rise is the first of a new run
+
+
+def transformers_steps(epochs: float, rows: int, batch: int, accumulate: int) -> int:
+    """transformers' own count: Trainer.set_initial_training_values on a DataLoader of `rows`."""
+    import torch
+    from transformers import Trainer
+
+    loader = torch.utils.data.DataLoader(range(rows), batch_size=batch)
+    trainer = SimpleNamespace(get_total_train_batch_size=lambda args: batch * accumulate,
+                              get_sp_size=lambda: 1, num_examples=lambda loader: rows)
+    args = SimpleNamespace(max_steps=-1, num_train_epochs=epochs, gradient_accumulation_steps=accumulate)
+    return Trainer.set_initial_training_values(trainer, args, loader)[-1]
+
+
+@pytest.mark.parametrize("epochs, rows, batch, accumulate", [
+    (3, 66, 2, 1), (3, 67, 2, 1), (1, 5, 2, 4), (2.5, 100, 8, 3), (0.1, 50, 2, 1), (3, 1, 2, 1),
+    (1, 64, 64, 1), (4, 1000, 7, 5),
+])  # fmt: skip
+def test_epochs_count_steps_as_transformers_does(epochs, rows, batch, accumulate):
+    assert steps_for_epochs(epochs, rows, batch, accumulate) == transformers_steps(epochs, rows, batch, accumulate)
+
+
+def test_epochs_set_the_steps_and_steps_override_them(tiny_folders, tmp_path, capsys):
+    by_epochs = tiny_training(tiny_folders["llama"], tmp_path / "epochs", steps=None, epochs=2,
+                              checkpoint_every=100)
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("steps: "))
+    rows = int(line.split(" epochs of ")[1].split()[0])
+    assert by_epochs.step == steps_for_epochs(2, rows, 2, 1) and line == (
+        f"steps: {by_epochs.step} (2 epochs of {rows} rows, 2 rows a step)")
+    assert read_state(by_epochs.checkpoint)["config"]["epochs"] == 2
+    by_steps = tiny_training(tiny_folders["llama"], tmp_path / "steps", steps=3, epochs=2)
+    assert by_steps.step == 3 and read_state(by_steps.checkpoint)["config"]["epochs"] is None
+
+
+def test_resume_alone_takes_spec_init_and_data_from_the_checkpoint(tiny_folders, tmp_path):
+    # the decoders' default schedule (linear), so the resumed steps must also take the run's length
+    straight = tiny_training(tiny_folders["llama"], tmp_path / "straight", schedule=None)
+    weights = (straight.checkpoint / "model.safetensors").read_bytes()
+    # a run stopped after step 2: its last checkpoint lost, as if it had never been written
+    shutil.rmtree(straight.checkpoint)
+    resumed = train(None, out=tmp_path / "straight", resume=True, progress=False)
+    assert resumed.step == 4 and resumed.train_losses == straight.train_losses  # exact equality
+    assert (resumed.checkpoint / "model.safetensors").read_bytes() == weights
+    assert read_state(resumed.checkpoint)["config"]["schedule"] == "linear"
+
+
+def test_a_used_run_folder_is_refused_before_anything_is_loaded(tiny_folders, tmp_path, monkeypatch):
+    tiny_training(tiny_folders["llama"], tmp_path / "run", steps=2)
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a spec was loaded before the run folder was checked")
+
+    monkeypatch.setattr("pyml.spec.load_spec", no_loading)
+    with pytest.raises(PymlError, match=r"run already holds a checkpoint \(step_000002\): pass --resume"):
+        train(None, init=tiny_folders["llama"], out=tmp_path / "run", progress=False)
 
 
 def test_resume_on_other_data_is_refused(tiny_text, tmp_path):

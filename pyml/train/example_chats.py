@@ -1,12 +1,13 @@
-"""`make demo`'s chat data: one question and answer per topic of CPython's reference docs
-(`pydoc_data`, shipped with every CPython), as JSONL chats that `pyml train --data` reads.
+"""Example chat data for a first fine-tune, from any folder: one question and answer per topic of
+CPython's reference docs (`pydoc_data`, shipped with every CPython), as JSONL chats that
+`pyml train --data` reads. The README's quick start and `make demo` train on it.
 
 The question names the topic ("What does the `with` statement do?"); the answer is the topic's
 first paragraph of prose. A seeded eighth of the topics is held out, and always the `with`
 statement, the question `make demo` asks before and after: the held-out loss and that answer are
 on questions the run never saw.
 
-    python demo/pydoc_chats.py OUT_DIR      # writes OUT_DIR/train.jsonl and OUT_DIR/held_out.jsonl
+    python -m pyml.train.example_chats OUT_DIR   # writes OUT_DIR/train.jsonl and OUT_DIR/held_out.jsonl
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import random
 import re
 import sys
 from pathlib import Path
+
+from pyml.errors import PymlError
+from pyml.outputs import atomic_write, os_error
 
 HELD_OUT_SHARE = 8  # one topic in this many
 SEED = 0
@@ -63,20 +67,35 @@ def chats() -> list[dict]:
 
 
 def write(out: Path) -> None:
+    """Write out/train.jsonl and out/held_out.jsonl (replacing them), each atomically."""
     examples = chats()
     order = list(range(len(examples)))
     random.Random(SEED).shuffle(order)
     held_out = set(order[: len(examples) // HELD_OUT_SHARE]) | {
         index for index, example in enumerate(examples)
         if example["messages"][0]["content"] == question(DEMO_TOPIC)}
-    out.mkdir(parents=True, exist_ok=True)
-    for name, keep in (("train.jsonl", lambda i: i not in held_out), ("held_out.jsonl", lambda i: i in held_out)):
-        lines = [json.dumps(example) + "\n" for index, example in enumerate(examples) if keep(index)]
-        (out / name).write_text("".join(lines), encoding="utf-8")
-        print(f"wrote {out / name}: {len(lines)} chats")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, keep in (("train.jsonl", lambda i: i not in held_out), ("held_out.jsonl", lambda i: i in held_out)):
+            lines = [json.dumps(example) + "\n" for index, example in enumerate(examples) if keep(index)]
+            content = "".join(lines).encode("utf-8")
+            atomic_write(out / name, lambda handle, content=content: handle.write(content))
+            print(f"wrote {out / name}: {len(lines)} chats")
+    except OSError as error:
+        raise PymlError(f"{out}: cannot write the example chats: {os_error(error)}") from None
+
+
+def main(arguments: list[str]) -> int:
+    if len(arguments) != 1:
+        print("usage: python -m pyml.train.example_chats OUT_DIR", file=sys.stderr)
+        return 2
+    try:
+        write(Path(arguments[0]))
+    except PymlError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python demo/pydoc_chats.py OUT_DIR")
-    write(Path(sys.argv[1]))
+    sys.exit(main(sys.argv[1:]))
