@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 MODEL := models/smollm2-135m-instruct
-# a question of demo/pydoc_chats.py's held-out topics: the fine-tune never sees its answer
+# a question of pyml.train.example_chats' held-out topics: the fine-tune never sees its answer
 DEMO_QUESTION := What does the \`with\` statement do?
 
 demo: $(STAMP) $(MODEL)/model.safetensors
@@ -40,7 +40,7 @@ demo: $(STAMP) $(MODEL)/model.safetensors
 	@echo "--- chat fine-tuning: a question and its answer per topic of CPython's reference docs (pydoc_data),"
 	@echo "    an eighth of the topics held out; before, the model answers a held-out question like this:"
 	rm -rf runs/demo runs/demo-data
-	$(BIN)/python demo/pydoc_chats.py runs/demo-data
+	$(BIN)/python -m pyml.train.example_chats runs/demo-data
 	$(BIN)/pyml generate --model $(MODEL) --chat --prompt "$(DEMO_QUESTION)" --max-new-tokens 48
 	$(BIN)/pyml eval --model $(MODEL) --data runs/demo-data/held_out.jsonl
 	@echo
