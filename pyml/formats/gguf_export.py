@@ -6,6 +6,11 @@ holds (`pyml.formats.model_folder`): a llama, qwen2, qwen3, phi3 or gemma3 model
 (convert_hf_to_gguf.py) writes for it, with the `gguf` package's writer:
 
 - the architecture's metadata from config.json, under the keys `gguf_architectures` reads;
+- the `general.*` metadata of the GGUF the folder came from (gguf_general.json: name, license,
+  base models, tags, ...), as it was for a folder imported from it; for a fine-tune (a folder
+  whose weights are its own: a checkpoint, a merged LoRA), the source becomes its base model
+  (`general.base_model.0.*`, as llama.cpp's converter records one), its name gets the suffix
+  " (fine-tune)", and the keys that identify the source's own release are left out;
 - the tokenizer from tokenizer.json and tokenizer_config.json: the tokens, their kinds, the BPE
   merges (byte-level vocabularies) or the token scores (SentencePiece ones), the special token
   ids, the flags that add BOS/EOS or a space in front, and the chat template;
@@ -33,6 +38,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import gguf
@@ -48,7 +54,8 @@ from pyml.formats.gguf_architectures import (
     llama3_rope_factors,
 )
 from pyml.formats.gguf_read import GGUFFile, GGUFTensor
-from pyml.formats.model_folder import MODEL_FILE, is_adapter_folder
+from pyml.formats.gguf_import import SOURCE_GGUF
+from pyml.formats.model_folder import GENERAL_FILE, MODEL_FILE, is_adapter_folder
 from pyml.formats.quant import BLOCK_LAYOUT, GGMLType, tensor_nbytes
 from pyml.formats.quantize import quantize
 from pyml.formats.safetensors_io import read_safetensors
@@ -83,6 +90,14 @@ ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "
                  "gemma3_text": "gemma3"}
 BYTE_TOKEN = 6  # llama.cpp's LLAMA_TOKEN_TYPE_BYTE: <0x00>..<0xFF> of a SentencePiece vocabulary
 ADDED_TOKEN_SCORE = -1000.0  # what the converter scores added (control, user-defined) tokens
+# the source's general.* keys an export leaves out: who quantized the source file (pyml quantizes
+# this one); for a fine-tune, also those of the source's own release, which become the keys of its
+# base model (BASE_MODEL_FIELDS), and its provenance and data sets
+NOT_CARRIED = ("general.quantized_by",)
+NOT_CARRIED_BY_A_FINE_TUNE = ("general.description", "general.source.", "general.base_model.",
+                              "general.dataset.")
+BASE_MODEL_FIELDS = ("name", "author", "version", "organization", "url", "doi", "uuid", "repo_url")
+FINE_TUNE_SUFFIX = " (fine-tune)"
 SPECIAL_TOKENS = {
     "bos_token": "tokenizer.ggml.bos_token_id",
     "eos_token": "tokenizer.ggml.eos_token_id",
@@ -94,7 +109,9 @@ SPECIAL_TOKENS = {
 def export_gguf(model_dir: Path, out: Path, type_name: str = "f32", progress: bool = True,
                 overwrite: bool = False) -> Path:
     """Write the model in `model_dir` as a GGUF at `out`, its matrices as `type_name`. An existing
-    GGUF at `out` is replaced; any other file only with `overwrite` (`pyml.outputs`)."""
+    GGUF at `out` is replaced; any other file only with `overwrite` (`pyml.outputs`). With
+    `progress`, a progress bar on stderr, then, as llama-quantize says it, how many tensors fell
+    back to another type."""
     if type_name not in EXPORT_TYPES:
         raise PymlError(
             f"--type {type_name!r} is not one pyml writes (only {', '.join(EXPORT_TYPES)})"
@@ -110,9 +127,8 @@ def export_gguf(model_dir: Path, out: Path, type_name: str = "f32", progress: bo
     config = _read_json(model_dir / "config.json")
     tokenizer = _read_json(model_dir / "tokenizer.json")
     settings = _read_json(model_dir / "tokenizer_config.json")
-    metadata = architecture_metadata(model_dir, config) | tokenizer_metadata(
-        model_dir, tokenizer, settings
-    )
+    metadata = (architecture_metadata(model_dir, config) | general_metadata(model_dir)
+                | tokenizer_metadata(model_dir, tokenizer, settings))
     described = GGUFFile(path=model_dir, version=3, metadata=metadata,
                          tensors=rope_factor_tensors(model_dir, config))
     architecture = architecture_of(described)
@@ -127,6 +143,13 @@ def export_gguf(model_dir: Path, out: Path, type_name: str = "f32", progress: bo
                    out.name if progress else "")  # fmt: skip
     except OSError as error:
         raise PymlError(f"{out}: cannot write: {os_error(error)}") from None
+    fell_back = fallbacks(plan, architecture, config, matrix_type)
+    if progress and fell_back:
+        counts = {kind.name: sum(1 for other in fell_back.values() if other == kind)
+                  for kind in dict.fromkeys(fell_back.values())}
+        print(f"{out.name}: {len(fell_back)} of {len(plan)} tensors fell back to another type, their "
+              f"rows being no whole number of {matrix_type.name}'s blocks (as llama-quantize's "
+              f"would): " + ", ".join(f"{n} to {kind}" for kind, n in counts.items()), file=sys.stderr)
     return out
 
 
@@ -164,7 +187,6 @@ def architecture_metadata(model_dir: Path, config: dict) -> dict[str, object]:
     metadata: dict[str, object] = {
         "general.architecture": name,
         "general.type": "model",
-        "general.name": model_dir.resolve().name,
         f"{name}.context_length": value("max_position_embeddings", int),
         f"{name}.embedding_length": value("hidden_size", int),
         f"{name}.block_count": value("num_hidden_layers", int),
@@ -196,6 +218,27 @@ def architecture_metadata(model_dir: Path, config: dict) -> dict[str, object]:
                             f"positive number, not {factor!r}")
         metadata["phi3.rope.scaling.attn_factor"] = float(np.float32(factor))
     return metadata
+
+
+def general_metadata(model_dir: Path) -> dict[str, object]:
+    """The `general.*` metadata about the model: its source GGUF's (the folder's
+    gguf_general.json, which a checkpoint copies from its --init folder), as it was when the
+    folder holds that GGUF's weights (source.gguf beside them), else as a fine-tune of it (see the
+    module docstring). A folder without that file is named after itself."""
+    path = model_dir / GENERAL_FILE
+    source = _read_json(path) if path.is_file() else {}
+    source = {key: value for key, value in source.items() if not key.startswith(NOT_CARRIED)}
+    name = source.get("general.name")
+    if not isinstance(name, str):
+        return source | {"general.name": model_dir.resolve().name}
+    if (model_dir / SOURCE_GGUF).is_file():
+        return source
+    release = {field: source.pop(f"general.{field}") for field in BASE_MODEL_FIELDS
+               if f"general.{field}" in source}
+    kept = {key: value for key, value in source.items()
+            if not key.startswith(NOT_CARRIED_BY_A_FINE_TUNE)}
+    return kept | {"general.name": name + FINE_TUNE_SUFFIX, "general.base_model.count": 1} | {
+        f"general.base_model.0.{field}": value for field, value in release.items()}
 
 
 def rope_factor_tensors(model_dir: Path, config: dict) -> dict[str, GGUFTensor]:
@@ -402,13 +445,30 @@ def _tensor_plan(
     return plan + [(name, None, tensor.shape, GGMLType.F32) for name, tensor in derived.items()]
 
 
+def fallbacks(plan, architecture: Llama, config: dict, asked: GGMLType) -> dict[str, GGMLType]:
+    """The tensors of `plan` stored in another type than the one `asked` gives them
+    (`mix_type`), because their rows are no whole number of its blocks: name -> the type stored."""
+    tied = config.get("tie_word_embeddings") is True
+    return {name: kind for name, hf_name, shape, kind in plan if hf_name is not None
+            and kind != mix_type(name, shape, asked, architecture.dims.n_layers, tied)}
+
+
 def tensor_type(name: str, shape: tuple[int, ...], asked: GGMLType, n_layers: int, tied: bool) -> GGMLType:
-    """The type a tensor is stored in when `asked` is: 1-D ones stay float32; with a K-quant
+    """The type a tensor is stored in when `asked` is: its `mix_type`, unless its rows are no whole
+    number of that type's blocks; then the type of 32-value blocks llama-quantize falls back to
+    (FALLBACK), or F16."""
+    kind, row = mix_type(name, shape, asked, n_layers, tied), shape[-1]
+    if row % BLOCK_LAYOUT[kind][0]:
+        kind = FALLBACK.get(kind, kind)
+    return GGMLType.F16 if row % BLOCK_LAYOUT[kind][0] else kind
+
+
+def mix_type(name: str, shape: tuple[int, ...], asked: GGMLType, n_layers: int, tied: bool) -> GGMLType:
+    """The type `asked` gives a tensor before any fallback: 1-D ones stay float32; with a K-quant
     asked, as llama-quantize chooses (llama-quant.cpp, llama_tensor_get_type): the output matrix
     (the embedding, when the head is tied to it) in Q6_K, or Q8_0 if its rows are no whole
     number of 256-value blocks; in the _M mixes (Q4_K, Q5_K asked) attn_v and ffn_down in Q6_K
-    on the layers `use_more_bits` picks. A row that is no whole number of blocks falls back to
-    the type of 32-value blocks llama-quantize names (FALLBACK), then to F16."""
+    on the layers `use_more_bits` picks."""
     if len(shape) == 1:
         return GGMLType.F32
     kind, row = asked, shape[-1]
@@ -419,9 +479,7 @@ def tensor_type(name: str, shape: tuple[int, ...], asked: GGMLType, n_layers: in
         elif asked != GGMLType.Q6_K and within in ("attn_v.weight", "ffn_down.weight") and (
                 use_more_bits(int(layer), n_layers)):
             kind = GGMLType.Q6_K
-    if row % BLOCK_LAYOUT[kind][0]:
-        kind = FALLBACK.get(kind, kind)
-    return GGMLType.F16 if row % BLOCK_LAYOUT[kind][0] else kind
+    return kind
 
 
 def use_more_bits(layer: int, n_layers: int) -> bool:

@@ -3,8 +3,9 @@
 `import_gguf` writes model.safetensors (float32, Hugging Face tensor names and layout),
 source.gguf (a copy of the GGUF: `pyml generate` decodes on its quantized tensors as they are
 stored; a training checkpoint, whose weights are its own, does not carry it), config.json (the Hugging Face config of the architecture), generation_config.json,
-tokenizer.json, tokenizer_config.json, chat_template.jinja (when the file has one) and spec.toml
-(the pyml spec of the model). Everything is validated before anything is decoded or written, so a
+tokenizer.json, tokenizer_config.json, chat_template.jinja (when the file has one), spec.toml
+(the pyml spec of the model) and gguf_general.json (the file's `general.*` metadata: its name,
+license, base models, ..., which `pyml export-gguf` writes back). Everything is validated before anything is decoded or written, so a
 bad file fails with one PymlError line and leaves no half-written folder behind.
 """
 
@@ -19,7 +20,7 @@ from tqdm import tqdm
 from pyml.errors import PymlError
 from pyml.formats.gguf_architectures import Llama, architecture_of
 from pyml.formats.gguf_read import GGUFFile, read_gguf
-from pyml.formats.model_folder import SPEC_FILE, is_model_folder
+from pyml.formats.model_folder import GENERAL_FILE, SPEC_FILE, is_model_folder
 from pyml.formats.quant import dequantize
 from pyml.formats.safetensors_io import write_safetensors
 from pyml.formats.spec_toml import spec_toml
@@ -32,6 +33,9 @@ from pyml.formats.tokenizer import (
 from pyml.outputs import check_destination, os_error, written_folder
 
 SOURCE_GGUF = "source.gguf"  # the copy of the GGUF, whose quantized tensors `pyml generate` runs
+# general.* keys that describe the file rather than the model: an export writes its own
+FILE_KEYS = ("general.architecture", "general.alignment", "general.file_type",
+             "general.quantization_version")
 
 
 def import_gguf(gguf_path: Path, out_dir: Path, progress: bool = True, name: str | None = None,
@@ -57,6 +61,7 @@ def import_gguf(gguf_path: Path, out_dir: Path, progress: bool = True, name: str
     template = chat_template(gguf)
     if template is not None:
         files["chat_template.jinja"] = template.encode("utf-8")
+    files[GENERAL_FILE] = _json_bytes(general_metadata(gguf))
 
     with tqdm(total=len(gguf.tensors) + 1 + len(files), disable=not progress, unit="step") as bar:
         bar.set_description("decoding tensors")
@@ -118,6 +123,14 @@ def check_tensors(gguf: GGUFFile, architecture: Llama) -> bool:
                 f"{tensor.shape} (metadata: {architecture.describe_dims()})"
             )
     return tied
+
+
+def general_metadata(gguf: GGUFFile) -> dict[str, object]:
+    """The file's `general.*` metadata about the model (name, license, base models, tags, ...),
+    arrays as lists."""
+    return {key: value.tolist() if isinstance(value, np.ndarray) else value
+            for key, value in gguf.metadata.items()
+            if key.startswith("general.") and key not in FILE_KEYS}
 
 
 def _generation_config(gguf: GGUFFile) -> dict[str, int]:

@@ -9,9 +9,11 @@
     config.json              the Hugging Face config (LlamaForCausalLM, Gemma3ForCausalLM, ...)
     generation_config.json   the special token ids
     tokenizer.json, tokenizer_config.json, chat_template.jinja (when the model has one)
+    gguf_general.json        the `general.*` metadata of the GGUF it was imported from (name,
+                             license, base models, ...), which `pyml export-gguf` carries over
 
-The last four describe the architecture and the tokenizer, which training does not change: a
-checkpoint copies them from the folder its run started from (`--init`). A model trained from
+The last six describe the architecture, the tokenizer and the model's origin, which training does
+not change: a checkpoint copies them from the folder its run started from (`--init`). A model trained from
 fresh weights has no such folder (the digits MLP, which has no Hugging Face class either): its
 checkpoints hold model.safetensors and spec.toml.
 """
@@ -25,6 +27,7 @@ from pyml.outputs import atomic_write
 
 MODEL_FILE = "model.safetensors"
 SPEC_FILE = "spec.toml"
+GENERAL_FILE = "gguf_general.json"
 # What `pyml import-gguf` writes beside the weights and the spec, in the order it writes them.
 DESCRIPTION_FILES = (
     "config.json",
@@ -32,6 +35,7 @@ DESCRIPTION_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "chat_template.jinja",
+    GENERAL_FILE,
 )
 
 

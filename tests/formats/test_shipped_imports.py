@@ -25,11 +25,11 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 # What each import writes beside model.safetensors and source.gguf (the file itself, which
 # `pyml generate --weights as-stored` decodes on).
 FILES = {
-    "smollm2": ["chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
-                "source.gguf", "spec.toml", "tokenizer.json", "tokenizer_config.json"],
+    "smollm2": ["chat_template.jinja", "config.json", "generation_config.json", "gguf_general.json",
+                "model.safetensors", "source.gguf", "spec.toml", "tokenizer.json", "tokenizer_config.json"],
     # no chat template: Gemma 3 270M is the base model
-    "gemma3": ["config.json", "generation_config.json", "model.safetensors", "source.gguf", "spec.toml",
-               "tokenizer.json", "tokenizer_config.json"],
+    "gemma3": ["config.json", "generation_config.json", "gguf_general.json", "model.safetensors",
+               "source.gguf", "spec.toml", "tokenizer.json", "tokenizer_config.json"],
 }
 CONFIGS = {
     "smollm2": {
@@ -115,6 +115,8 @@ def test_written_files(imported, family):
     shipped = FAMILIES[family].shipped_gguf()
     assert sorted(path.name for path in imported.iterdir()) == FILES[family]
     assert (imported / "source.gguf").read_bytes() == shipped.read_bytes()
+    general = json.loads((imported / "gguf_general.json").read_text())
+    assert general["general.name"] == read_gguf(shipped).metadata["general.name"]
     config = json.loads((imported / "config.json").read_text())
     assert config == CONFIGS[family]
     generation = json.loads((imported / "generation_config.json").read_text())

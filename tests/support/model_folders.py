@@ -154,12 +154,13 @@ LLAMA3_TOKENS = LLAMA_TOKENS + ["Ġcapital", "123"]
 
 def write_gguf(path: Path, architecture: str, dims: dict[str, int],
                rope_scaling: dict | None = None, sentencepiece: bool = False,
-               pre: str | None = None) -> None:
+               pre: str | None = None, general: dict[str, object] | None = None) -> None:
     """A tiny GGUF of `architecture` (llama, qwen2, qwen3, phi3 or gemma3), every tensor float32;
     a llama one with `rope_scaling` (Hugging Face's: rope_type "linear" or "llama3"; a phi3 one:
     "longrope") stores it as llama.cpp's converter does, with `sentencepiece` Mistral's kind of
     vocabulary (phi3's always), with `pre` another byte-level pre-tokenizer ("llama-bpe":
-    LLAMA3_TOKENS). A phi3 one has its own head (untied), RoPE on dims["rope_dims"] features of
+    LLAMA3_TOKENS), with `general` these `general.*` keys (strings, counts and lists of strings, as
+    llama.cpp's converter types them). A phi3 one has its own head (untied), RoPE on dims["rope_dims"] features of
     each head (default all) and a window of dims["window"] positions (default 0: none). Every
     model is of 64 positions."""
     gemma, qwen2, qwen3 = architecture == "gemma3", architecture == "qwen2", architecture == "qwen3"
@@ -168,6 +169,13 @@ def write_gguf(path: Path, architecture: str, dims: dict[str, int],
     tokens = (GEMMA_TOKENS if gemma else PHI3_TOKENS if phi3 else MISTRAL_TOKENS if sentencepiece
               else LLAMA3_TOKENS if pre == "llama-bpe" else LLAMA_TOKENS)
     writer = gguf.GGUFWriter(path, architecture)
+    for key, value in (general or {}).items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        else:
+            writer.add_array(key, value)
     writer.add_context_length(64)
     writer.add_embedding_length(dims["hidden"])
     writer.add_block_count(dims["layers"])
