@@ -1,9 +1,10 @@
 """The `pyml` command line.
 
-Exit statuses a script can rely on: 0 done; 1 an internal error (a traceback: a bug to report),
-or the drift `pyml check` found; 2 bad input, said in one line on stderr (a `PymlError`); 130 after
-Ctrl-C and 143 after SIGTERM, also when `pyml train` saved a checkpoint before stopping. Heavy
-imports happen inside the commands so `pyml --help` stays fast.
+Exit statuses a script can rely on (docs/cli.md): 0 done, and `pyml serve` drained after SIGTERM
+or Ctrl-C; 1 a failed check (`pyml check`'s drift, `pyml prove` without Lean or failing); 2 bad
+input, said in one line on stderr (a `PymlError`); 130 after Ctrl-C and 143 after SIGTERM, also
+when `pyml train` saved a checkpoint before stopping. A traceback is a bug to report. Heavy imports
+happen inside the commands so `pyml --help` stays fast.
 """
 
 from __future__ import annotations
@@ -87,14 +88,19 @@ def check_text(text: str, option: str) -> None:
 def init(
     folder: Annotated[Path, typer.Argument(help="A new or empty folder for the project.")],
 ) -> None:
-    """Make a pyml project in FOLDER: specs/ with an example spec, gen/ for the packages `pyml gen`
-    writes, and lean/, a Lake package of the generated theorem instances that requires pyml's
-    laws, so `pyml prove` there checks them."""
+    """Make a pyml project in FOLDER: specs/ with an example spec, gen/ with its package (what
+    `pyml gen` writes, again after each edit of a spec), and lean/, a Lake package of the generated
+    theorem instances that requires pyml's laws, so `pyml prove` there checks them."""
+    from pyml.codegen.emit import write_generated
     from pyml.project import init_project
+    from pyml.spec import load_spec
 
-    for written in init_project(folder):
-        print(f"wrote {written}")
-    print(f"next: cd {folder} && pyml gen specs/my_decoder.toml && pyml check")
+    written = init_project(folder)
+    for spec_path in sorted(Path(folder, "specs").glob("*.toml")):
+        written += write_generated(load_spec(spec_path), spec_path, Path(folder))
+    for path in written:
+        print(f"wrote {path}")
+    print(f"next: cd {folder} && pyml check; after editing a spec, pyml gen specs/NAME.toml")
 
 
 @app.command()
