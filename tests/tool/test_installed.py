@@ -192,6 +192,32 @@ def test_compile_trains_as_this_checkout_does_from_a_project_and_from_anywhere(i
         assert run["losses"] == pytest.approx(expected, rel=1e-12, abs=0)
 
 
+IMPORTED_STEP = TRAINING.replace("m = pyml.compile(sys.argv[1])", "sys.path.insert(0, '.'); import gen.my_decoder as m")
+
+
+def test_import_gen_and_compile_share_a_projects_package_in_either_order(installed):
+    """`import gen.my_decoder` in a project, and `pyml.compile` (the `pyml` commands' way) on its
+    spec, in separate processes, one after the other in both orders (the first project's package
+    was compiled by the test above): each runs and trains alike (the two names once shared
+    Numba's cache entries, and whichever came second failed)."""
+    runs = []
+    for project, order in (("project", ("import", "compile")),
+                           ("second-project", ("import", "compile", "import"))):
+        folder = installed.root / project
+        if not folder.exists():  # `pyml init` generates its example spec's package itself
+            made = installed.run(installed.pyml, "init", folder)
+            assert made.returncode == 0, made.stderr
+            assert (folder / "gen" / "my_decoder" / "model.py").is_file()
+        for how in order:
+            code = IMPORTED_STEP if how == "import" else TRAINING
+            result = installed.run(installed.python, "-c", code, "specs/my_decoder.toml", cwd=folder)
+            assert result.returncode == 0, f"{project}, {how}: {result.stderr}"
+            run = json.loads(result.stdout.splitlines()[-1])
+            assert run["module"] == "gen.my_decoder" if how == "import" else run["module"].startswith("pyml_project_")
+            runs.append(run)
+    assert all(run["losses"] == runs[0]["losses"] for run in runs)
+
+
 def test_a_corrupt_cache_entry_is_generated_again(installed):
     entries = sorted((Path(installed.env["PYML_CACHE"]) / "packages").glob("my_decoder-*"))
     assert len(entries) == 1
