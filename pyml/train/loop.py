@@ -37,7 +37,7 @@ from pyml.train.schedule import learning_rate
 
 # More passes over the training rows than this and a run is told it will likely memorise them:
 # fine-tunes take 1 to 3 epochs (transformers' and TRL's default is 3); the README's old quick
-# start, 200 steps of 2 rows over the 1 row its five chats pack into, made 400 passes.
+# start, 200 steps of 2 rows over the 2 rows its four training chats pack into, made 200 passes.
 MANY_PASSES = 5
 # Held-out losses rising this many evaluations in a row: the run is fitting its training
 # examples rather than the task (as early stopping's patience counts).
