@@ -94,7 +94,10 @@ DRAIN_SECONDS = 30  # how long a SIGTERM waits for the requests in flight
 # positions per sequence unless --context says: each sequence's keys and values are allocated up
 # front (SmolLM2: 94 MiB per sequence at 2048)
 DEFAULT_CONTEXT = 2048
-UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "logit_bias")
+# request fields pyml does not implement yet: refused (400) rather than ignored, since a client that
+# sends one relies on it (a JSON answer, the prompt echoed with its log-probabilities)
+UNSUPPORTED = ("logprobs", "top_logprobs", "tools", "tool_choice", "functions", "function_call",
+               "logit_bias", "echo", "response_format")
 
 
 @dataclass
@@ -282,7 +285,8 @@ def create_app(engine: Engine) -> FastAPI:
 
     async def complete(request: Request, body: Sampling, ids: list[int], field_name: str, chat: bool):
         raw = await request.json()
-        unsupported = [name for name in UNSUPPORTED if raw.get(name) not in (None, False)]
+        unsupported = [name for name in UNSUPPORTED if raw.get(name) not in (None, False)
+                       and not (name == "response_format" and raw[name] == {"type": "text"})]
         if unsupported:
             return error_response(400, f"{unsupported[0]} is not supported by pyml serve yet",
                                   unsupported[0])
