@@ -270,6 +270,8 @@ def test_models_and_health(server, client):
     ({"messages": QUESTION, "presence_penalty": 3}, "presence_penalty"),
     ({"messages": QUESTION, "repetition_penalty": float("inf")}, "repetition_penalty"),
     ({"messages": QUESTION, "logprobs": True}, "logprobs"),
+    ({"messages": QUESTION, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": QUESTION, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"messages": QUESTION, "stop": ""}, "stop"),
     ({"messages": [{"role": "user", "content": "the cat " * 40}]}, "messages"),  # past the context
 ])
@@ -281,6 +283,17 @@ def test_bad_requests_get_400_naming_the_field(server, body, param):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
+
+
+def test_echo_is_refused_and_a_text_response_format_is_the_default(server):
+    _, url = server
+    echoed = httpx.post(f"{url}/v1/completions", json={"prompt": "1, 2,", "echo": True, "max_tokens": 2})
+    assert echoed.status_code == 400 and echoed.json()["error"]["param"] == "echo"
+    body = {"messages": QUESTION, "max_tokens": 4, "temperature": 0}
+    plain = httpx.post(f"{url}/v1/chat/completions", json=body)
+    text = httpx.post(f"{url}/v1/chat/completions", json=body | {"response_format": {"type": "text"}})
+    assert plain.status_code == text.status_code == 200, text.text
+    assert text.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"]
 
 
 def test_malformed_json_gets_400(server):
