@@ -175,6 +175,8 @@ def test_compile_trains_as_this_checkout_does_from_a_project_and_from_anywhere(i
     for name, path in (("project", spec), ("loose", loose)):
         result = installed.run(installed.python, "-c", TRAINING, path)
         assert result.returncode == 0, result.stderr
+        # each a package of its own folder, compiled on its first use: said on stderr
+        assert "compiling kernels for my_decoder (first use)...\n" in result.stderr
         runs[name] = json.loads(result.stdout.splitlines()[-1])
     assert runs["project"]["file"].startswith(str(installed.root / "project" / "gen"))
     assert runs["loose"]["file"].startswith(installed.env["PYML_CACHE"])
