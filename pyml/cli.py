@@ -214,9 +214,9 @@ def import_gguf(
         "the shipped model's name, or the GGUF's file name without .gguf.")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace --out even when it is not a model folder.")] = False,
 ) -> None:
-    """Dequantise a GGUF into the folder --out: model.safetensors (Hugging Face layout), config.json, the
-    tokenizer, the chat template if it has one, and spec.toml, the pyml spec of the model (named
-    after the folder; a shipped model's is the name of its spec in specs/)."""
+    """Dequantise a GGUF into the folder --out: model.safetensors (Hugging Face layout),
+    config.json, the tokenizer, the chat template if it has one, and spec.toml, the pyml spec of
+    the model (named after the folder; a shipped model's is the name of its spec in specs/)."""
     from pyml.formats.gguf_import import import_gguf as run_import
 
     if path is not None and shipped is not None:

@@ -34,7 +34,8 @@ class ReadableArgument(TyperArgument):
 
     def display_type(self, ctx) -> str:
         # several paths are shown as SPECS... <path>, not <list[Path]>
-        return re.sub(r"^<list\[(\w+)\]>$", lambda m: f"<{m[1].lower()}>", super().display_type(ctx))
+        shown = super().display_type(ctx)
+        return re.sub(r"^<list\[(\w+)\]>$", lambda m: f"<{m[1].lower()}>", shown)
 
     def get_usage_pieces(self, ctx) -> list[str]:
         name = self.display_name_raw if self.required else f"[{self.display_name_raw}]"
@@ -78,8 +79,8 @@ class Typer(typer.Typer):
     """typer.Typer with -h beside --help, whose groups and commands are the readable ones."""
 
     def __init__(self, **settings):
-        super().__init__(cls=ReadableGroup, context_settings={"help_option_names": HELP_OPTION_NAMES},
-                         **settings)
+        super().__init__(cls=ReadableGroup,
+                         context_settings={"help_option_names": HELP_OPTION_NAMES}, **settings)
 
     def command(self, name=None, *, cls=ReadableCommand, **settings):
         return super().command(name, cls=cls, **settings)

@@ -79,7 +79,8 @@ class CompileNotice(event.Listener):
             self.shown = line
             self.draw()
         if self.ticker is None:
-            self.ticker = threading.Thread(target=self.tick, name="pyml-compile-notice", daemon=True)
+            self.ticker = threading.Thread(target=self.tick, name="pyml-compile-notice",
+                                           daemon=True)
             self.ticker.start()
 
     def on_end(self, compile_event) -> None:
