@@ -30,6 +30,13 @@ ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"
 
 
+def pytest_report_header(config):
+    from tests.support import anchors
+
+    missing = "fails its tests (PYML_REQUIRE_ANCHORS=1)" if anchors.REQUIRED else "skips its tests"
+    return f"a missing anchor (llama.cpp, chromium, mpiexec: tests/support/anchors.py) {missing}"
+
+
 def pytest_collection_modifyitems(config, items):
     """The CUDA simulator's runs start now, in the background, and the tests that report them go
     last (tests/support/cuda_simulator.py says why)."""
@@ -61,12 +68,13 @@ def shipped_folder(tmp_path_factory, module: str, folder: str) -> Path:
     """The folder `pyml import-gguf --shipped` writes for the model of `pyml.formats.<module>`."""
     from pyml.errors import PymlError
     from pyml.formats.gguf_import import import_gguf
+    from tests.support import anchors
 
     shipped = importlib.import_module(f"pyml.formats.{module}")
     try:
         path = shipped.shipped_gguf_path()
     except PymlError as error:
-        pytest.skip(str(error))
+        anchors.missing(str(error))
     return import_gguf(path, tmp_path_factory.mktemp("shipped") / folder, progress=False,
                        name=shipped.SPEC_NAME)  # fmt: skip
 

@@ -2,10 +2,11 @@
 llama-quantize's mixes.
 
 References: gguf's dequantisers (a reader of the blocks that is not ours), each format's error
-bound, and, where llama-cpp-python is installed (`make bench-llamacpp` builds it), llama.cpp
-itself: its ggml_quantize_chunk must give our bytes for the same values, and its
-llama_model_quantize of our float32 export the same tensors, type for type and byte for byte, as
-our q4_k_m export. Without llama-cpp-python those two are skipped, saying so.
+bound, and llama.cpp itself, through llama-cpp-python (`make test` builds it): its
+ggml_quantize_chunk must give our bytes for the same values, and its llama_model_quantize of our
+float32 export the same tensors, type for type and byte for byte, as our q4_k_m export. Only the
+byte comparisons catch an encoder bug that keeps every value within its bound (a missing clamp, a
+rounding choice).
 """
 
 import ctypes
@@ -27,6 +28,7 @@ from pyml.formats.quant import BLOCK_LAYOUT, GGMLType, dequantize
 from pyml.formats.quantize import quantize
 from pyml.formats.safetensors_io import read_safetensors
 from pyml.generate.decoding import load_model
+from tests.support.llama_cpp_reference import llama_cpp_module
 from tests.support.model_folders import LLAMA, write_gguf
 
 K_TYPES = (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)
@@ -145,11 +147,11 @@ def test_a_k_quant_export_is_the_mix_and_transformers_reads_it(kquant_folder, tm
     np.testing.assert_allclose(load_model(back).forward(ids), theirs, rtol=1e-4, atol=1e-4)
 
 
-# -- llama.cpp itself, where llama-cpp-python is installed
+# -- llama.cpp itself
 
 
 def llama_cpp_library(name: str) -> ctypes.CDLL:
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make bench-llamacpp)")
+    llama_cpp = llama_cpp_module()
     return ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / f"lib{name}.so"))
 
 
@@ -170,7 +172,7 @@ def test_the_bytes_are_llama_cpps(ggml_type, kind):
 
 
 def test_llama_quantize_of_our_f32_export_is_our_q4_k_m_export(kquant_folder, tmp_path):
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make bench-llamacpp)")
+    llama_cpp = llama_cpp_module()
     f32 = export_gguf(kquant_folder, tmp_path / "tiny.f32.gguf", "f32", progress=False)
     ours = export_gguf(kquant_folder, tmp_path / "tiny.q4_k_m.gguf", "q4_k_m", progress=False)
     theirs = tmp_path / "tiny.llama-quantize.gguf"

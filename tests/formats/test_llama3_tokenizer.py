@@ -16,6 +16,7 @@ from pyml.formats.gguf_export import export_gguf
 from pyml.formats.gguf_import import import_gguf
 from pyml.formats.gguf_read import read_gguf
 from pyml.generate.decoding import load_tokenizer
+from tests.support.llama_cpp_reference import llama_cpp_module
 from tests.support.model_folders import LLAMA, LLAMA3_TOKENS, write_gguf
 
 TEXTS = [
@@ -58,7 +59,7 @@ def test_the_tokenizer_splits_as_transformers_reading_the_gguf(llama3):
 
 
 def test_the_tokenizer_splits_as_llama_cpp(llama3):
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make bench-llamacpp)")
+    llama_cpp = llama_cpp_module()
     gguf_path, folder = llama3
     reference = llama_cpp.Llama(str(gguf_path), vocab_only=True, verbose=False)
     ours = load_tokenizer(folder)

@@ -22,6 +22,7 @@ from pyml.formats.chat_template import ChatTemplate
 from pyml.formats.gguf_import import import_gguf
 from pyml.formats.safetensors_io import read_safetensors
 from pyml.generate.decoding import load_model, load_tokenizer
+from tests.support.llama_cpp_reference import llama_cpp_module
 from tests.support.model_folders import LLAMA, MISTRAL_TOKENS, write_gguf
 
 TEXTS = [
@@ -64,7 +65,7 @@ def test_the_tokenizer_splits_and_joins_as_transformers_reading_the_gguf(mistral
 
 
 def test_the_tokenizer_splits_as_llama_cpp(mistral):
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make bench-llamacpp)")
+    llama_cpp = llama_cpp_module()
     gguf_path, folder = mistral
     reference = llama_cpp.Llama(str(gguf_path), vocab_only=True, verbose=False)
     ours = load_tokenizer(folder)

@@ -1,24 +1,25 @@
-"""llama.cpp, through llama-cpp-python where it is installed (`make bench-llamacpp` builds it), as
-the reference for what our GGUF exports mean to llama.cpp: the check that neither transformers
+"""llama.cpp, through llama-cpp-python (`make test` builds it: an anchor, tests/support/anchors.py),
+as the reference for what our GGUF exports mean to llama.cpp: the check that neither transformers
 nor our own importer can make."""
 
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
 from pyml.formats.gguf_export import export_gguf
+from tests.support import anchors
 
 
-def llama_cpp_or_skip():
-    return pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make bench-llamacpp)")
+def llama_cpp_module():
+    """llama-cpp-python's `llama_cpp`: the Makefile pins its version and builds it."""
+    return anchors.module("llama_cpp", "`make llama-cpp-python` builds it")
 
 
 def assert_llama_cpp_logits_equal_transformers(folder: Path, tmp_path: Path, ids: list[int]) -> None:
     """llama.cpp running our f32 export of `folder` gives transformers' logits on the folder for
     `ids`, with a float32 KV cache (its default float16 cache alone differs by about 1e-3)."""
-    llama_cpp = llama_cpp_or_skip()
+    llama_cpp = llama_cpp_module()
     from transformers import AutoModelForCausalLM
 
     exported = export_gguf(folder, tmp_path / "out.gguf", "f32", progress=False)

@@ -29,6 +29,7 @@ from pyml.train.loss_curve import loss_curve_figure
 from pyml.train.run import text_pairs, train
 from tests.support.hf_reference import llama_in_float64
 from tests.support.model_folders import tiny_training
+from tests.support.llama_cpp_reference import llama_cpp_module
 from tests.support.project_packages import project_package
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -190,7 +191,7 @@ def check_the_loop(checkpoint: Path, exported: Path, spec: str, ids_for) -> None
     GGUF (`exported`, f32) gives transformers our greedy tokens."""
     from transformers import AutoModelForCausalLM
 
-    package = pytest.importorskip(f"gen.{spec}")
+    package = project_package(spec)
     tokenizer = generation.load_tokenizer(checkpoint)
     ids = ids_for(tokenizer)
     ours = package.Model.from_safetensors(checkpoint)
@@ -248,9 +249,7 @@ print(json.dumps(answer))
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["smollm2", "gemma3"])
 def test_llama_cpp_loads_the_export_and_answers(request, family):
-    pytest.importorskip(
-        "llama_cpp", reason="llama-cpp-python is not installed (make bench-llamacpp installs it)"
-    )
+    llama_cpp_module()  # it runs in a subprocess: a missing llama.cpp fails or skips here, saying so
     import json
 
     exported = request.getfixturevalue(f"{family}_export")
