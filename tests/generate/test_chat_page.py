@@ -1,6 +1,6 @@
 """`pyml serve`'s chat page (GET /) in a real browser: Debian's chromium, headless, driven by
-selenium through Debian's chromedriver (`make test` installs both where it can; without them these
-tests are skipped, saying so). A message typed into the page is answered in the page, streamed from
+selenium through Debian's chromedriver (`make test` installs both where it can; they are anchors:
+tests/support/anchors.py). A message typed into the page is answered in the page, streamed from
 the server's API: greedy, the text is `pyml generate`'s; a second message carries the conversation;
 a refused request shows the server's error in the page."""
 
@@ -13,26 +13,26 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from selenium import webdriver
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import WebDriverWait
 
 from pyml.formats.chat_template import ChatTemplate
 from pyml.generate import decoding
+from tests.support import anchors
 from tests.support.server_process import started
 
-webdriver = pytest.importorskip("selenium.webdriver")
-from selenium.webdriver.common.by import By  # noqa: E402
-from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
-
-CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
-pytestmark = pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER),
-                                reason="Debian's chromium and chromium-driver are not installed")
+DEBIAN_CHROMIUM = "apt-get install chromium chromium-driver (make browser, as root)"
 
 
 @pytest.fixture(scope="module")
 def page(tiny_folders):
     """(the folder, a headless chromium showing the server's chat page)."""
+    chromium = anchors.program("chromium", DEBIAN_CHROMIUM)
+    chromedriver = anchors.program("chromedriver", DEBIAN_CHROMIUM)
     folder = tiny_folders["llama"]
     options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
+    options.binary_location = chromium
     # chromium binds a Unix socket under TMPDIR and its profile; such a path holds at most 107 bytes,
     # which a deep TMPDIR (make mutants' scratch tree) exceeds: its files go to a short folder
     scratch = Path(tempfile.mkdtemp(prefix="pyml-chromium-", dir="/tmp"))
@@ -42,7 +42,7 @@ def page(tiny_folders):
                  "--disable-sync", f"--user-data-dir={scratch / 'profile'}"):
         options.add_argument(flag)
     # chromedriver unpacks into TMPDIR, which must exist: the test's own folder
-    service = webdriver.ChromeService(CHROMEDRIVER, env=dict(os.environ, TMPDIR=str(scratch)))
+    service = webdriver.ChromeService(chromedriver, env=dict(os.environ, TMPDIR=str(scratch)))
     process, url = started(folder)
     try:
         browser = webdriver.Chrome(options=options, service=service)

@@ -14,13 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx2 as httpx  # the HTTP client the openai package itself depends on
+import openai
 import pytest
 
 from pyml.formats.chat_template import ChatTemplate
 from pyml.generate import decoding
+from tests.support import anchors
 from tests.support.server_process import started
 
-openai = pytest.importorskip("openai")
 QUESTION = [{"role": "user", "content": "the cat sat on the"}]
 
 
@@ -128,14 +129,12 @@ def test_a_lora_adapter_is_served_as_pyml_generate_runs_it(tiny_folders, tmp_pat
 def test_curl_streams_the_answer_as_docs_serving_shows(server):
     """docs/serving.md's curl command, run: server-sent events whose deltas make up `pyml
     generate`'s greedy answer, ending with `data: [DONE]`."""
-    import shutil
     import subprocess
 
-    if shutil.which("curl") is None:
-        pytest.skip("curl is not installed")
+    curl = anchors.program("curl", "apt-get install curl")
     folder, url = server
     body = {"model": "tiny", "messages": QUESTION, "max_tokens": 12, "temperature": 0, "stream": True}
-    run = subprocess.run(["curl", "-sN", f"{url}/v1/chat/completions", "-H", "Content-Type: application/json",
+    run = subprocess.run([curl, "-sN", f"{url}/v1/chat/completions", "-H", "Content-Type: application/json",
                           "-d", json.dumps(body)], capture_output=True, text=True, timeout=60, check=True)
     events = [line.removeprefix("data: ") for line in run.stdout.splitlines() if line]
     assert events[-1] == "[DONE]"

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.support import anchors
 from tests.support.model_folders import tiny_text
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,8 +81,9 @@ def git_status() -> str:
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
-    if shutil.which("git") is None or not (ROOT / ".git").exists():
-        pytest.skip("needs the git checkout to copy its files")
+    anchors.program("git", "apt-get install git")
+    if not (ROOT / ".git").exists():
+        anchors.missing(f"{ROOT} is not a git checkout: the wheel is built from the files git keeps")
     base = tmp_path_factory.mktemp("installed")
     before = git_status()
     # the wheel is built from a copy of the files git keeps, so the build writes nothing here

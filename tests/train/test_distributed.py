@@ -21,14 +21,9 @@ import pytest
 
 from pyml.train.checkpoint import latest_checkpoint, list_checkpoints, read_state
 from pyml.train.loop import run_training
+from tests.support import anchors
 from tests.support import distributed_worker as worker
 from tests.support.project_packages import project_package
-
-pytest.importorskip("mpi4py", reason="mpi4py is not installed (pip install mpi4py mpich)")
-BESIDE_PYTHON = Path(sys.executable).parent / "mpiexec"
-MPIEXEC = str(BESIDE_PYTHON) if BESIDE_PYTHON.exists() else shutil.which("mpiexec")
-if MPIEXEC is None:
-    pytest.skip("no mpiexec (pip install mpich)", allow_module_level=True)
 
 ROOT = Path(__file__).resolve().parents[2]
 RELATIVE = 1e-12
@@ -36,11 +31,19 @@ RELATIVE = 1e-12
 ONE_THREAD = {"NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
 
+def mpiexec_program() -> str:
+    """The mpiexec that `pyml train --ranks` runs (the mpich wheel's beside this Python, else
+    PATH's), for ranks that import mpi4py: both come with the test extra."""
+    anchors.module("mpi4py", "pip install mpi4py mpich")
+    beside_python = Path(sys.executable).parent / "mpiexec"
+    return str(beside_python) if beside_python.exists() else anchors.program("mpiexec", "pip install mpich")
+
+
 def mpiexec(ranks: int, plan: dict, folder: Path, timeout: float = 300):
     plan_path = folder / f"plan_{ranks}.json"
     plan_path.write_text(json.dumps(plan))
     return subprocess.run(
-        [MPIEXEC, "-n", str(ranks), sys.executable, str(ROOT / "tests" / "support" / "distributed_worker.py"),
+        [mpiexec_program(), "-n", str(ranks), sys.executable, str(ROOT / "tests" / "support" / "distributed_worker.py"),
          str(plan_path)],
         capture_output=True, text=True, timeout=timeout, env={**os.environ, **ONE_THREAD},
     )  # fmt: skip
@@ -256,6 +259,7 @@ def assert_last_checkpoint_is_step_4(out: Path):
 
 
 def test_sigterm_on_the_launcher_saves_once_and_stops_every_rank(tmp_path):
+    mpiexec_program()  # --ranks finds it the same way
     out = tmp_path / "run"
     launcher = subprocess.Popen(
         [sys.executable, "-m", "pyml.cli", "train", "--spec", str(ROOT / "specs/mlp_digits.toml"),
