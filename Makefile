@@ -10,7 +10,7 @@ SPECS := $(wildcard specs/*.toml)
 export NUMBA_CACHE_DIR ?= $(CURDIR)/.numba_cache
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup browser demo test test-fast test-slow gen check prove bench bench-llamacpp bench-serve lint mutants clean
+.PHONY: setup browser llama-cpp-python demo test test-fast test-slow gen check prove bench bench-llamacpp bench-serve lint mutants clean
 
 setup: $(STAMP)
 
@@ -91,17 +91,36 @@ export TRANSFORMERS_CHAT
 $(MODEL)/model.safetensors: $(STAMP)
 	$(BIN)/pyml import-gguf --out $(MODEL)
 
-test: $(STAMP) browser
+# The suite's anchors (what it checks pyml against: llama.cpp, chromium, mpiexec; listed in
+# tests/support/anchors.py) are installed first, and with PYML_REQUIRE_ANCHORS=1 a missing one fails
+# the tests that need it: a skip would let a run pass that never made those checks.
+test: export PYML_REQUIRE_ANCHORS := 1
+test: $(STAMP) browser llama-cpp-python
 	$(BIN)/pyml check
 	$(BIN)/python -m pytest -q
 
 # The chat page's test (tests/generate/test_chat_page.py) drives Debian's chromium through its
-# chromedriver: installed here where this runs as root with apt-get; elsewhere that test is skipped.
+# chromedriver: installed here where this runs as root with apt-get; elsewhere it is up to the user.
 browser:
 	@command -v chromedriver >/dev/null || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null \
 	  || apt-get install -y -q chromium chromium-driver >/dev/null 2>&1 \
 	  || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium chromium-driver >/dev/null 2>&1; } \
-	  || echo "could not install chromium: the chat page's browser test will be skipped"
+	  || echo "could not install chromium: make test fails the chat page's browser tests"
+
+# llama.cpp: the tests' reference for our GGUF files and quantizers (tests/support/llama_cpp_reference.py),
+# and make bench's third system. PyPI has only its source: pip builds it with the machine's C++
+# compiler and CMake once (about 9 CPU-minutes) and keeps the wheel in its cache, which a new
+# .venv installs in seconds. Where it cannot build, one line says so and `make test` runs on,
+# failing llama.cpp's checks; pip's output is kept in the log.
+LLAMA_CPP_PYTHON_VERSION := 0.3.36
+LLAMA_CPP_PYTHON := $(VENV)/.llama-cpp-python-$(LLAMA_CPP_PYTHON_VERSION)
+LLAMA_CPP_PYTHON_LOG := $(VENV)/llama-cpp-python-build.log
+llama-cpp-python: $(LLAMA_CPP_PYTHON)
+$(LLAMA_CPP_PYTHON): $(STAMP)
+	@echo "installing llama-cpp-python $(LLAMA_CPP_PYTHON_VERSION) (the first time, pip builds it from source: minutes)"
+	@$(BIN)/pip install --quiet llama-cpp-python==$(LLAMA_CPP_PYTHON_VERSION) >$(LLAMA_CPP_PYTHON_LOG) 2>&1 \
+	  && touch $@ \
+	  || echo "could not install llama-cpp-python (its build needs a C++ compiler and CMake; pip's output: $(LLAMA_CPP_PYTHON_LOG)): make test fails llama.cpp's checks"
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
@@ -123,9 +142,7 @@ bench: $(STAMP) $(MODEL)/model.safetensors
 	$(BIN)/pyml bench generate
 
 # llama.cpp as a third system in `make bench` (bench/generate.py runs it when it is importable).
-# The registry has only its source: pip builds it with the machine's compiler, a few minutes.
-bench-llamacpp: $(STAMP)
-	$(BIN)/pip install --quiet llama-cpp-python==0.3.36
+bench-llamacpp: llama-cpp-python
 
 # `pyml serve` against llama.cpp's server (bench/serve.py): llama-server built from the llama.cpp
 # source vendored in the llama-cpp-python sdist, with CMake (minutes on 2 cores).
@@ -133,9 +150,9 @@ LLAMA_CPP := $(VENV)/share/llama.cpp
 LLAMA_SERVER := $(LLAMA_CPP)/build/bin/llama-server
 $(LLAMA_SERVER): $(STAMP)
 	rm -rf $(LLAMA_CPP) && mkdir -p $(LLAMA_CPP)
-	$(BIN)/pip download --quiet --no-deps --no-binary :all: llama-cpp-python==0.3.36 -d $(LLAMA_CPP)
-	tar -xzf $(LLAMA_CPP)/llama_cpp_python-0.3.36.tar.gz -C $(LLAMA_CPP)
-	cmake -S $(LLAMA_CPP)/llama_cpp_python-0.3.36/vendor/llama.cpp -B $(LLAMA_CPP)/build \
+	$(BIN)/pip download --quiet --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_PYTHON_VERSION) -d $(LLAMA_CPP)
+	tar -xzf $(LLAMA_CPP)/llama_cpp_python-$(LLAMA_CPP_PYTHON_VERSION).tar.gz -C $(LLAMA_CPP)
+	cmake -S $(LLAMA_CPP)/llama_cpp_python-$(LLAMA_CPP_PYTHON_VERSION)/vendor/llama.cpp -B $(LLAMA_CPP)/build \
 	  -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 	cmake --build $(LLAMA_CPP)/build --target llama-server -j
 
