@@ -252,7 +252,8 @@ def test_a_rank_that_dies_ends_the_job(tmp_path):
 
 
 def assert_last_checkpoint_is_step_4(out: Path):
-    assert [p.name for p in list_checkpoints(out)] == ["step_000004"]
+    """Every checkpoint is kept (`--keep` left out): steps 2 and 4, none after the fault."""
+    assert [p.name for p in list_checkpoints(out)] == ["step_000002", "step_000004"]
     state = read_state(out / "step_000004")
     assert state["step"] == 4 and len(state["train_losses"]) == 4
     assert all(np.isfinite(state["train_losses"]))
@@ -277,7 +278,9 @@ def test_sigterm_on_the_launcher_saves_once_and_stops_every_rank(tmp_path):
     stopped = [line for line in stdout.splitlines() if line.startswith("stopped by")]
     assert len(stopped) == 1
     step = int(stopped[0].split("after step ")[1])
-    assert [p.name for p in list_checkpoints(out)] == [f"step_{step:06d}"]
+    # the periodic checkpoints, then the one saved on SIGTERM, once
+    assert [p.name for p in list_checkpoints(out)] == [
+        f"step_{saved:06d}" for saved in [*range(10, step, 10), step]]
     assert read_state(latest_checkpoint(out))["step"] == step > 10
 
 
