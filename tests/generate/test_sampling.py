@@ -9,6 +9,8 @@ frequencies with a stated bound, and the seed by comparing runs from separate ge
 """
 
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -210,3 +212,29 @@ def test_generate_with_a_seed_is_reproducible_and_the_seed_matters():
 
     assert sampled(5) == sampled(5)
     assert sampled(5) != sampled(6)
+
+
+def test_pyml_generate_passes_every_sampling_option_and_the_seed_as_given(tiny_folders):
+    """`pyml generate` with each sampling option set and --seed 0, then --seed 1, on the tiny
+    Llama: each prints `decoding.generate`'s answer for that Sampler and seed (so the command
+    hands on every option, and seed 0 as a seed), and the two seeds' answers differ."""
+    folder, prompt = tiny_folders["llama"], "the cat sat on the"
+    options = dict(temperature=1.5, top_p=0.95, top_k=20, min_p=0.02, repetition_penalty=1.2,
+                   frequency_penalty=0.4, presence_penalty=0.3)
+    arguments = [f"--{name.replace('_', '-')}={value}" for name, value in options.items()]
+    decoder, tokenizer = generation.load_decoder(folder), generation.load_tokenizer(folder)
+
+    def expected(seed: int) -> str:
+        return generation.generate(decoder, tokenizer, tokenizer.encode(prompt).ids, 16,
+                                   generation.eos_ids(folder), generation.Sampler(**options), seed,
+                                   out=None).text
+
+    answers = {}
+    for seed in (0, 1):
+        run = subprocess.run([sys.executable, "-m", "pyml.cli", "generate", "--model", str(folder),
+                              "--prompt", prompt, "--max-new-tokens", "16", f"--seed={seed}",
+                              *arguments], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        answers[seed] = run.stdout.removesuffix("\n")
+        assert answers[seed] == expected(seed)
+    assert answers[0] != answers[1]

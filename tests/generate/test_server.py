@@ -91,6 +91,18 @@ def test_a_greedy_chat_answer_is_pyml_generates_streamed_or_whole(server, client
     assert chunks[-1].usage.completion_tokens == len(expected.new_ids) and not chunks[-1].choices
 
 
+def test_max_completion_tokens_ends_the_answer_and_outranks_max_tokens(server, client):
+    """OpenAI's newer name for max_tokens (the one its client documents for chat) stops the
+    answer there, whatever max_tokens says, as OpenAI's server does."""
+    folder, _ = server
+    assert len(generated(folder, chat_ids(folder), 12).new_ids) > 3  # the answer runs past 3
+    expected = generated(folder, chat_ids(folder), 3)
+    for limits in (dict(max_completion_tokens=3), dict(max_completion_tokens=3, max_tokens=12)):
+        reply = client.chat.completions.create(model="tiny", messages=QUESTION, temperature=0, **limits)
+        assert reply.choices[0].message.content == expected.text
+        assert (reply.choices[0].finish_reason, reply.usage.completion_tokens) == ("length", 3)
+
+
 def test_every_sampling_option_is_pyml_generates(server, client):
     """The same Sampler and seed as `pyml generate --top-k ... --seed`: the same answer."""
     folder, _ = server
@@ -101,6 +113,23 @@ def test_every_sampling_option_is_pyml_generates(server, client):
     reply = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=16, seed=11,
                                            extra_body=extra, **options)
     assert reply.choices[0].message.content == expected.text
+
+
+def test_seed_0_is_a_seed_not_none(server, client):
+    """A sampled request with "seed": 0 is reproducible and is `pyml generate --seed 0`'s answer
+    (a server that read 0 as "no seed", the `seed or clock` idiom, would answer at random); seed 1
+    gives another answer."""
+    folder, _ = server
+    sampler = decoding.Sampler(temperature=1.5)
+    expected = {seed: generated(folder, chat_ids(folder), 16, sampler, seed=seed).text for seed in (0, 1)}
+    assert expected[0] != expected[1]  # else this test could not tell the seeds apart
+
+    def answer(seed: int) -> str:
+        return client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=16,
+                                              temperature=1.5, seed=seed).choices[0].message.content
+
+    assert answer(0) == answer(0) == expected[0]
+    assert answer(1) == expected[1]
 
 
 def test_a_lora_adapter_is_served_as_pyml_generate_runs_it(tiny_folders, tmp_path):

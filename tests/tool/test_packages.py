@@ -63,17 +63,45 @@ def test_a_model_folders_spec_runs_from_the_project_around_the_working_directory
     assert len(list((cache / "packages").iterdir())) == 1
 
 
-def test_a_corrupt_entry_is_generated_again(cache):
+def with_one_letter_changed(path: Path) -> bytes:
+    """Swap the case of one letter in the middle of `path`, a one-byte edit that keeps the file
+    valid UTF-8 (so only its hash can tell); returns the file as it was."""
+    whole = path.read_bytes()
+    at = next(i for i in range(len(whole) // 2, len(whole)) if whole[i:i + 1].isalpha())  # ASCII only
+    path.write_bytes(whole[:at] + whole[at:at + 1].swapcase() + whole[at + 1:])
+    assert path.read_bytes() != whole and len(path.read_bytes()) == len(whole)
+    return whole
+
+
+@pytest.mark.parametrize("corruption", ["one byte changed", "a file deleted"])
+def test_a_corrupt_entry_is_set_aside_and_generated_again(cache, corruption):
     spec = load_spec(SPEC)
     entry, _ = cached_package(spec, SPEC.read_text())
-    kernels = entry / "gen" / "llama_tiny" / "kernels_cpu.py"
-    whole = kernels.read_text()
-    kernels.write_text(whole.replace("dy", "-dy", 1))
-    (entry / "gen" / "llama_tiny" / "decode_cpu.py").unlink()
+    corrupted = entry / "gen" / "llama_tiny" / "kernels_cpu.py"
+    if corruption == "one byte changed":
+        whole = with_one_letter_changed(corrupted)
+    else:
+        whole = corrupted.read_bytes()
+        corrupted.unlink()
     again, _ = cached_package(spec, SPEC.read_text())
-    assert again == entry and kernels.read_text() == whole
-    assert (entry / "gen" / "llama_tiny" / "decode_cpu.py").is_file()
+    assert again == entry and corrupted.read_bytes() == whole
     assert [p.name for p in (cache / "packages").iterdir()] == [entry.name]  # nothing set aside left
+
+
+def test_a_project_package_with_one_byte_changed_is_not_used(project, cache, tmp_path, monkeypatch):
+    """`pyml.compile` of a project's spec whose gen/ package was edited (one byte, nothing deleted)
+    runs the spec's package from the cache instead."""
+    import pyml
+
+    monkeypatch.chdir(tmp_path)
+    spec_path = project / "specs" / "llama_tiny.toml"
+    assert Path(pyml.compile(spec_path).__file__).is_relative_to(project / "gen")
+    with_one_letter_changed(project / "gen" / "llama_tiny" / "model.py")
+    fallback = pyml.compile(spec_path)
+    assert not Path(fallback.__file__).is_relative_to(project)
+    # generated into this test's cache (an earlier test may have imported the same entry's module)
+    [entry] = (cache / "packages").iterdir()
+    assert entry.name.startswith("llama_tiny-") and fallback.__name__.startswith("pyml_generated_llama_tiny_")
 
 
 def test_processes_generating_the_same_spec_at_once_leave_one_whole_entry(cache):

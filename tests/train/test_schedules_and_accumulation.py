@@ -123,6 +123,15 @@ def metrics(out) -> list[dict]:
     return [json.loads(line) for line in (out / METRICS_FILE).read_text().splitlines()]
 
 
+def test_max_grad_norm_0_turns_clipping_off(pairs, tmp_path):
+    """--max-grad-norm 0 is no clipping, as a limit the gradients never reach is, not a limit of 0
+    (which would scale every gradient to nothing)."""
+    losses = {limit: run(pairs, tmp_path / str(limit), config(steps=4, max_grad_norm=limit)).train_losses
+              for limit in (0.0, 1e9, 1e-3)}
+    assert losses[0.0] == losses[1e9]
+    assert losses[1e-3] != losses[1e9]  # clipping changes this run's losses: the check can tell
+
+
 def test_metrics_record_each_steps_rate_and_a_resumed_schedule_continues_exactly(pairs, tmp_path):
     cfg = config(schedule="cosine", warmup_steps=3, min_lr=3e-4, steps=8, accumulate=2, batch=1)
     straight = run(pairs, tmp_path / "straight", cfg)
