@@ -228,6 +228,7 @@ def test_a_corrupt_cache_entry_is_generated_again(installed):
     model = entries[0] / "gen" / "my_decoder" / "model.py"
     whole = model.read_text()
     model.write_text(whole.replace("def ", "def broken_", 1))
+    assert model.read_text() != whole  # the corruption happened
     result = installed.run(installed.python, "-c", TRAINING, installed.root / "loose" / "my_decoder.toml")
     assert result.returncode == 0, result.stderr
     assert model.read_text() == whole
