@@ -93,11 +93,12 @@ $(MODEL)/model.safetensors: $(STAMP)
 
 # The suite's anchors (what it checks pyml against: llama.cpp, chromium, mpiexec; listed in
 # tests/support/anchors.py) are installed first, and with PYML_REQUIRE_ANCHORS=1 a missing one fails
-# the tests that need it: a skip would let a run pass that never made those checks.
+# the tests that need it: a skip would let a run pass that never made those checks. pytest lists
+# the 25 slowest tests at the end, to keep the suite under 35 minutes.
 test: export PYML_REQUIRE_ANCHORS := 1
 test: $(STAMP) browser llama-cpp-python
 	$(BIN)/pyml check
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # The chat page's test (tests/generate/test_chat_page.py) drives Debian's chromium through its
 # chromedriver: installed here where this runs as root with apt-get; elsewhere it is up to the user.
