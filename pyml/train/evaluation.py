@@ -94,7 +94,7 @@ def evaluate_folder(model_dir: Path, data: Path, adapter: Path | None = None, se
         raise PymlError(f"--seq {seq} exceeds the model's max_seq_len {model.MAX_SEQ_LEN}")
     tokens = FolderTokens(Path(model_dir), model.VOCAB, model.SPEC_NAME)
     positions, counts = None, {}
-    if examples.is_jsonl(Path(data)):  # packed as training packs them
+    if examples.is_examples(Path(data)):  # packed as training packs them
         rows = tokens.example_rows(tokens.examples(Path(data), train_on), seq, long_examples, True)
         inputs, targets, positions = rows.inputs, rows.targets, rows.positions
         counts = {"examples": rows.examples}

@@ -85,7 +85,7 @@ def is_examples_file(path: Path) -> bool:
     return path.suffix.lower() in EXAMPLE_SUFFIXES
 
 
-def is_jsonl(data: Path) -> bool:
+def is_examples(data: Path) -> bool:
     """Whether `--data` names examples (a .jsonl or .json file, or a folder of them) rather than
     text."""
     data = Path(data)

@@ -271,10 +271,10 @@ def text_pairs(config: TrainingConfig, package: ModuleType):
             f"--seq {config.seq} exceeds spec '{config.spec}''s max_seq_len {spec_model.MAX_SEQ_LEN}"
         )
     tokens = FolderTokens(Path(config.init), spec_model.VOCAB, config.spec)
-    if config.data is not None and examples.is_jsonl(Path(config.data)):
+    if config.data is not None and examples.is_examples(Path(config.data)):
         return example_pairs(config, tokens)
     if config.eval_data is not None:
-        raise PymlError("--eval-data holds JSONL examples, for JSONL --data")
+        raise PymlError("--eval-data holds examples (.jsonl or .json), for --data of examples, not text")
     documents = load_corpus(None if config.data is None else Path(config.data))
     train_documents, held_out_documents = split_documents(documents, seed=config.seed)
     train, held_out = (tokens.text_pairs(chosen, config.seq) for chosen in (train_documents, held_out_documents))

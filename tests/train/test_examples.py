@@ -294,12 +294,12 @@ def test_json_arrays_json_lines_in_a_json_file_and_any_case_read_as_jsonl(tiny_t
     read = {name: examples.load_examples(tmp_path / name, tokens) for name in files}
     want = [(example.ids, example.targets) for example in read["chats.jsonl"]]
     for name in files:
-        assert examples.is_jsonl(tmp_path / name)
+        assert examples.is_examples(tmp_path / name)
         assert [(example.ids, example.targets) for example in read[name]] == want, name
     starts = [number for number, line in enumerate(files["array.json"].splitlines(), start=1) if line == "  {"]
     assert [example.where for example in read["array.json"]] == [f"{tmp_path / 'array.json'}:{n}" for n in starts]
     assert [example.where for example in read["CHATS.JSONL"]] == [f"{tmp_path / 'CHATS.JSONL'}:{n}" for n in (1, 2, 3)]
-    assert examples.is_jsonl(tmp_path) and len(examples.load_examples(tmp_path, tokens)) == 3 * len(files)
+    assert examples.is_examples(tmp_path) and len(examples.load_examples(tmp_path, tokens)) == 3 * len(files)
 
 
 BAD_EXAMPLES = {
