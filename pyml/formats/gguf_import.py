@@ -20,7 +20,7 @@ from tqdm import tqdm
 from pyml.errors import PymlError
 from pyml.formats.gguf_architectures import Llama, architecture_of
 from pyml.formats.gguf_read import GGUFFile, read_gguf
-from pyml.formats.model_folder import GENERAL_FILE, SPEC_FILE, is_model_folder
+from pyml.formats.model_folder import GENERAL_FILE, SOURCE_GGUF, SPEC_FILE, is_model_folder
 from pyml.formats.quant import dequantize
 from pyml.formats.safetensors_io import write_safetensors
 from pyml.formats.spec_toml import spec_toml
@@ -32,7 +32,6 @@ from pyml.formats.tokenizer import (
 )
 from pyml.outputs import check_destination, os_error, written_folder
 
-SOURCE_GGUF = "source.gguf"  # the copy of the GGUF, whose quantized tensors `pyml generate` runs
 # general.* keys that describe the file rather than the model: an export writes its own
 FILE_KEYS = ("general.architecture", "general.alignment", "general.file_type",
              "general.quantization_version")

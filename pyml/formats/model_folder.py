@@ -26,6 +26,8 @@ from pyml.errors import PymlError
 from pyml.outputs import atomic_write
 
 MODEL_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"  # Hugging Face's sharded weights: names -> shards
+SOURCE_GGUF = "source.gguf"  # an imported GGUF: a symbolic link to it, or a copy (--copy)
 SPEC_FILE = "spec.toml"
 GENERAL_FILE = "gguf_general.json"
 # What `pyml import-gguf` writes beside the weights and the spec, in the order it writes them.

@@ -57,10 +57,12 @@ class GGMLType(IntEnum):
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
+    F64 = 28  # float64 safetensors (the reference tests' checkpoints); no GGUF tensor of it is read
     BF16 = 30
 
 
-# (values per block, bytes per block); plain float types are "blocks" of one value.
+# (values per block, bytes per block) of the types a GGUF may hold and `dequantize` decodes; plain
+# float types are "blocks" of one value.
 BLOCK_LAYOUT: dict[GGMLType, tuple[int, int]] = {
     GGMLType.F32: (1, 4),
     GGMLType.F16: (1, 2),

@@ -49,7 +49,7 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     try:
         with open(path, "rb") as handle:
             file_size = os.fstat(handle.fileno()).st_size
-            entries, data_start = _read_header(path, handle, file_size)
+            entries, data_start = read_header(path, handle, file_size)
             return {
                 name: _read_tensor(path, handle, name, dtype, shape, data_start + begin)
                 for name, (dtype, shape, begin) in entries.items()
@@ -109,7 +109,7 @@ def _little_endian(path: Path, name: str, array: np.ndarray) -> np.ndarray:
     return array.astype(little, order="C", copy=False)
 
 
-def _read_header(
+def read_header(
     path: Path, handle: BinaryIO, file_size: int
 ) -> tuple[dict[str, tuple[str, tuple[int, ...], int]], int]:
     """The tensor entries (dtype name, shape, begin offset) and where the data section starts."""

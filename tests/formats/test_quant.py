@@ -23,7 +23,7 @@ def same_bits(ours: np.ndarray, reference: np.ndarray) -> bool:
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the reference on NaN scales
 @pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning")
 @pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("ggml_type", list(GGMLType), ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", list(BLOCK_LAYOUT), ids=lambda t: t.name)
 def test_random_blocks_match_reference(ggml_type, seed):
     # Random bytes reach every float16 scale, including subnormals, infinities and NaNs, and every
     # packed integer.
@@ -36,7 +36,7 @@ def test_random_blocks_match_reference(ggml_type, seed):
     assert same_bits(ours, reference_dequantize(raw, gguf.GGMLQuantizationType(ggml_type.value)))
 
 
-@pytest.mark.parametrize("ggml_type", [t for t in GGMLType if BLOCK_LAYOUT[t][0] > 1], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [t for t in BLOCK_LAYOUT if BLOCK_LAYOUT[t][0] > 1], ids=lambda t: t.name)
 def test_random_blocks_with_ordinary_scales_match_reference(ggml_type):
     # Every float16 in the block set to an ordinary scale (0.001 to 1, either sign), so that the
     # values are finite and every bit of them is compared.
