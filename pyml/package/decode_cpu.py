@@ -31,10 +31,40 @@ dtype says. The row dot products are pyml/package/quantized_dot.py's, so a quant
 is the same function here as in the quantized linear kernels (Lean law linear_input_adjoint's
 forward, matVec W v, W the block dequantization of the stored values).
 
+Rows read where they are stored (`linear_stored`, `embedding_stored`): an op's weights arrive as
+(kinds, addresses, packed, scale, offset): `kinds` (layers, rows) uint8, the kind of each output
+row, and `addresses` (layers, rows) uint64, the absolute address of each row's first byte, in a
+memory map of the model's file (a GGUF, a safetensors file) that the caller keeps open; the
+kernels read each row there, in the layout the file stores it (pyml/formats/quant.py), so no
+weight is copied. Rows of one layer may differ in kind (a Q4_K_M file's Q4_K and Q6_K rows, float
+rows beside quantized ones) and come in any order. `packed`, `scale` and `offset` hold the layers
+on int8 activations (all their rows Q4_RUNS_OF_16_X8 or Q8_X8; the kernel looks at the first),
+repacked rows by 16 as the split form's arrays hold them for those kinds, (layers, rows padded to
+16, width); width 0 where no layer is.
+
+    kind              a row's bytes (consecutive blocks)                        value
+    ROW_F32, _F16,    little-endian floats                                      as stored
+      _BF16
+    ROW_F64           little-endian float64 (float64 models: x, y, out float64)  as stored
+    ROW_Q8_0          34 per 32 values: f16 d, 32 int8 q                        q * d
+    ROW_Q4_0          18 per 32: f16 d, 16 bytes of nibbles                     (q - 8) * d
+    ROW_Q4_1          20 per 32: f16 d, f16 m, 16 bytes of nibbles              q * d + m
+    ROW_Q5_0          22 per 32: f16 d, 4 bytes of fifth bits, 16 of nibbles    (q - 16) * d
+    ROW_Q4_K          144 per 256: f16 d, f16 dmin, 12 bytes of 6-bit scales    (d sc) q - dmin min
+                      and mins, 128 bytes of nibbles
+    ROW_Q6_K          210 per 256: 128 bytes of low nibbles, 64 of 2-bit        (d sc) (q - 32)
+                      highs, 16 int8 scales, f16 d
+    Q4_RUNS_OF_16_X8  Q4_0 / Q4_1 rows by 16 in packed, scale, offset           int8 activations
+    Q8_X8             Q8_0 rows by 16 in packed, scale                          int8 activations
+
+The quantized rows' products are the split form's bits (quantized_dot.py's "rows read where they
+are stored" says why), so switching forms changes no token.
+
 Numba's cache does not notice when a function a cached kernel calls changes in another file, so the
 generated decode modules carry this module's and quantized_dot's hash in their first line (as for
-vector_math). For the same reason `linear_row`, which calls quantized_dot's intrinsics, is not
-cached itself: it is compiled into each generated step, whose cache that hash keeps fresh.
+vector_math). For the same reason `linear_row`, `linear_stored` and `embedding_stored`, which call
+quantized_dot's intrinsics, are not cached themselves: they are compiled into each generated step,
+whose cache that hash keeps fresh.
 """
 
 import numpy as np
@@ -44,6 +74,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 from numba.np.ufunc.parallel import _launch_threads
 
+from pyml.formats.quant import GGMLType
 from pyml.package.quantized_dot import (
     QDOT_GROUP_ROWS,
     QDOT_INT8_SAMPLES,
@@ -65,10 +96,39 @@ from pyml.package.quantized_dot import (
     q8_row_dot,
     q8_rows_dot,
     round_activations_q8,
+    stored_bf16_values,
+    stored_f16_values,
+    stored_f32_values,
+    stored_float64,
+    stored_q4_0_values,
+    stored_q4_1_values,
+    stored_q4_k_values,
+    stored_q5_0_values,
+    stored_q6_k_values,
+    stored_q8_0_values,
+    stored_row_dots,
+    stored_row_values,
 )
 
 Q4_RUNS_OF_16, Q4_RUNS_OF_32, Q5, Q8, Q6, DENSE, Q4_RUNS_OF_16_X8, Q8_X8 = range(8)
 FAST = {"contract", "reassoc"}
+
+# the kind of each row read where it is stored (uint8 in a weight's `kinds`), numbered after the
+# kinds above: the int8-activation kinds Q4_RUNS_OF_16_X8 and Q8_X8 are kinds of both forms
+ROW_Q8_0, ROW_Q4_0, ROW_Q4_1, ROW_Q5_0, ROW_Q4_K, ROW_Q6_K, ROW_F32, ROW_F16, ROW_BF16, ROW_F64 = range(8, 18)
+ROW_KIND_OF = {GGMLType.F32: ROW_F32, GGMLType.F16: ROW_F16, GGMLType.BF16: ROW_BF16,
+               GGMLType.F64: ROW_F64, GGMLType.Q8_0: ROW_Q8_0, GGMLType.Q4_0: ROW_Q4_0,
+               GGMLType.Q4_1: ROW_Q4_1, GGMLType.Q5_0: ROW_Q5_0, GGMLType.Q4_K: ROW_Q4_K,
+               GGMLType.Q6_K: ROW_Q6_K}
+# the layout of every kind read by quantized_dot's row loops in float32 (ROW_F64 is read by
+# `stored_float64`, the int8 kinds from their repacked arrays)
+STORED_ROW_LOOPS = {ROW_F32: stored_f32_values, ROW_F16: stored_f16_values, ROW_BF16: stored_bf16_values,
+                    ROW_Q8_0: stored_q8_0_values, ROW_Q4_0: stored_q4_0_values,
+                    ROW_Q4_1: stored_q4_1_values, ROW_Q5_0: stored_q5_0_values,
+                    ROW_Q4_K: stored_q4_k_values, ROW_Q6_K: stored_q6_k_values}
+stored_row_dot = stored_row_dots(STORED_ROW_LOOPS, 1)
+stored_rows_dot = stored_row_dots(STORED_ROW_LOOPS, QDOT_SAMPLES)
+stored_row_dequantized = stored_row_values(STORED_ROW_LOOPS)
 
 # The thread pool's symbols (get_num_threads, set_num_threads) are registered with LLVM when it
 # starts (numba's private _launch_threads, which its own get_num_threads calls first); a cached
@@ -186,6 +246,113 @@ def linear_row(weight, layer, x, y):
                 for k in range(x.shape[1]):
                     total += dense[row, k] * x[b, k]
                 y[b, row] = total
+
+
+@njit(parallel=True, fastmath=FAST)
+def linear_stored(weight, layer, x, y):
+    """y[b] = W x[b] for each row b, W layer `layer` of `weight` in the stored form (kinds,
+    addresses, packed, scale, offset; the module's docstring); x is (B, in), y (B, out), float32
+    (ROW_F64 rows: float64), C-contiguous. As `linear_row`: one output row per iteration of the
+    parallel loop, read from memory once per step and decoded once per QDOT_SAMPLES sequences,
+    each y[b, row] summed in the same order whatever the batch; each row by its own kind, at its
+    own address. A layer on int8 activations (its first row's kind Q4_RUNS_OF_16_X8 or
+    Q8_X8) runs on its repacked arrays as linear_row's Q4_RUNS_OF_16_X8 and Q8_X8 do."""
+    kinds, addresses, packed, scale, offset = weight
+    row_kinds, row_addresses = kinds[layer], addresses[layer]
+    rows, batch = y.shape[1], y.shape[0]
+    first_kind = row_kinds[0]
+    if first_kind == Q4_RUNS_OF_16_X8 or first_kind == Q8_X8:
+        packed, scale, offset = packed[layer], scale[layer], offset[layer]
+        columns = x.shape[1]
+        x_values = np.empty((batch, columns), np.int8)
+        x_scale = np.empty((batch, columns // 32), np.float32)
+        x_total = np.empty((batch, columns // 32), np.int32)
+        round_activations_q8(x, x_values, x_scale, x_total)
+        by_8 = batch - batch % QDOT_INT8_SAMPLES  # rows of x taken 8, then 4, then 1 at a time
+        by_4 = by_8 + (batch - by_8) // 4 * 4
+        groups = (rows + QDOT_GROUP_ROWS - 1) // QDOT_GROUP_ROWS
+        if first_kind == Q4_RUNS_OF_16_X8:
+            for group in prange(groups):
+                for b in range(0, by_8, 8):
+                    q4_q8_rows_by_16_x8(packed, scale, offset, x_values, x_scale, x_total, group, b, y)
+                for b in range(by_8, by_4, 4):
+                    q4_q8_rows_by_16_x4(packed, scale, offset, x_values, x_scale, x_total, group, b, y)
+                for b in range(by_4, batch):
+                    q4_q8_rows_by_16(packed, scale, offset, x_values, x_scale, x_total, group, b, y)
+        else:
+            for group in prange(groups):
+                for b in range(0, by_8, 8):
+                    q8_q8_rows_by_16_x8(packed, scale, x_values, x_scale, x_total, group, b, y)
+                for b in range(by_8, by_4, 4):
+                    q8_q8_rows_by_16_x4(packed, scale, x_values, x_scale, x_total, group, b, y)
+                for b in range(by_4, batch):
+                    q8_q8_rows_by_16(packed, scale, x_values, x_scale, x_total, group, b, y)
+    else:
+        whole = batch - batch % QDOT_SAMPLES  # the rows of x taken QDOT_SAMPLES at a time
+        for row in prange(rows):
+            kind, address = row_kinds[row], row_addresses[row]
+            if kind == ROW_F64:
+                for b in range(batch):
+                    total = 0.0
+                    for k in range(x.shape[1]):
+                        total += stored_float64(address, k) * x[b, k]
+                    y[b, row] = total
+            else:
+                for b in range(0, whole, QDOT_SAMPLES):
+                    stored_rows_dot(kind, address, x, row, b, y)
+                for b in range(whole, batch):
+                    stored_row_dot(kind, address, x, row, b, y)
+
+
+@njit(parallel=True)
+def embedding_stored(weight, ids, out, scale):
+    """out[n] = row ids[n] of layer 0 of `weight` (the stored form), dequantized, times `scale`:
+    ids (N,) int64, out (N, dim) C-contiguous, float32 or float64 (ROW_F64 rows: float64), scale in
+    out's dtype. A quantized or float row's values are pyml.formats.quant.dequantize's float32 bits,
+    converted to out's dtype, then multiplied by `scale` in that dtype (as embedding_forward_kernel
+    multiplies a float32 table's rows), so a scale of 1 leaves them as they are."""
+    kinds, addresses = weight[0][0], weight[1][0]
+    for n in range(ids.shape[0]):
+        if ids[n] < 0 or ids[n] >= kinds.shape[0]:
+            raise ValueError("token id out of range of the embedding table")
+        if kinds[ids[n]] == Q4_RUNS_OF_16_X8 or kinds[ids[n]] == Q8_X8:
+            raise ValueError("an embedding's rows are read where they are stored, not repacked for "
+                             "int8 activations: give it its own kinds")
+    for n in prange(ids.shape[0]):
+        kind, address = kinds[ids[n]], addresses[ids[n]]
+        if kind == ROW_F64:
+            for d in range(out.shape[1]):
+                out[n, d] = stored_float64(address, d) * scale
+        else:
+            stored_row_dequantized(kind, address, out, n)
+            for d in range(out.shape[1]):
+                out[n, d] *= scale
+
+
+def stored_weight(kinds: np.ndarray, addresses: np.ndarray) -> tuple:
+    """The stored form (kinds, addresses, packed, scale, offset) of an op none of whose layers is
+    on int8 activations (the repacked arrays empty): kinds (layers, rows) of ROW_* kinds, addresses
+    (layers, rows) of each row's first byte (`row_addresses`). The kernels read the rows through
+    the addresses alone: the caller keeps the arrays (memory maps) holding them alive, and their
+    rows whole (each row's bytes its kind's whole blocks of x.shape[1] values), while it runs them."""
+    kinds, addresses = np.ascontiguousarray(kinds, np.uint8), np.ascontiguousarray(addresses, np.uint64)
+    if kinds.ndim != 2 or kinds.shape != addresses.shape:
+        raise ValueError(f"kinds {kinds.shape} and addresses {addresses.shape} must be one (layers, rows) shape")
+    unknown = np.setdiff1d(kinds, list(STORED_ROW_LOOPS) + [ROW_F64])
+    if unknown.size:
+        raise ValueError(f"row kinds {unknown.tolist()} are not read where they are stored")
+    empty = (kinds.shape[0], kinds.shape[1], 0)
+    return kinds, addresses, np.zeros(empty, np.uint8), np.zeros(empty, np.float32), np.zeros(empty, np.float32)
+
+
+def row_addresses(data: np.ndarray, rows: int) -> np.ndarray:
+    """The address of each of the `rows` rows of a tensor's bytes `data` (a C-contiguous array, a
+    view of a memory map: its rows of equal size one after another), uint64 (rows,). The caller
+    keeps `data` alive while the addresses are used: they hold no reference to it."""
+    if not data.flags.c_contiguous or data.nbytes % rows:
+        raise ValueError(f"{data.nbytes} bytes, {'' if data.flags.c_contiguous else 'not contiguous, '}"
+                         f"are not {rows} rows of equal size")
+    return np.uint64(data.ctypes.data) + np.arange(rows, dtype=np.uint64) * np.uint64(data.nbytes // rows)
 
 
 @njit(cache=True)

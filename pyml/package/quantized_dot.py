@@ -76,6 +76,14 @@ def qdot_splat(builder, scalar, lanes):
     return builder.shuffle_vector(vector, ir.Constant(vector_type, ir.Undefined), mask)
 
 
+def qdot_padded(builder, vector):
+    """`vector` (fewer than QDOT_LANES lanes) followed by zeros, QDOT_LANES lanes in all."""
+    lanes = vector.type.count
+    zeros = ir.Constant(vector.type, [ir.Constant(vector.type.element, 0.0)] * lanes)
+    mask = ir.Constant(qdot_vector_type(QDOT_I32, QDOT_LANES), list(range(lanes)) + [lanes] * (QDOT_LANES - lanes))
+    return builder.shuffle_vector(vector, zeros, mask)
+
+
 def qdot_scalar(builder, base, index):
     return builder.load(builder.gep(base, [index]))
 
@@ -98,6 +106,8 @@ class QdotPartialSums:
 
     def add_products(self, weights, x):
         builder = self.builder
+        if weights.type.count < QDOT_LANES:  # a float row's last values: the other lanes add 0
+            weights, x = qdot_padded(builder, weights), qdot_padded(builder, x)
         for start in range(0, weights.type.count, QDOT_LANES):
             product = builder.fmul(qdot_lanes(builder, weights, start, QDOT_LANES),
                                    qdot_lanes(builder, x, start, QDOT_LANES))
@@ -298,6 +308,303 @@ q4_row_dot_runs_of_32, q4_rows_dot_runs_of_32 = q4_dots_runs_of_32(1), q4_dots_r
 q5_row_dot, q5_rows_dot = q5_dots(1), q5_dots(QDOT_SAMPLES)
 q8_row_dot, q8_rows_dot = q8_dots(1), q8_dots(QDOT_SAMPLES)
 q6_row_dot, q6_rows_dot = q6_dots(1), q6_dots(QDOT_SAMPLES)
+
+
+# --- rows read where they are stored ----------------------------------------------------------------
+#
+# The same products on a weight row given by the absolute address of its first byte (in a memory
+# map of the model's GGUF or safetensors file), its bytes exactly as the file stores them: blocks
+# one after another, each with its float16 scale(s) beside its packed integers (pyml/formats/
+# quant.py gives the layouts), or plain little-endian floats. Nothing is copied or decoded ahead:
+# a row's blocks are decoded as they are read, the float16 scales widened to float32 in the loop.
+#
+# Each layout's loop decodes the row into float32 vectors in order, handing each to `use(weights,
+# start)` (the vector holds values start ..): the dot products add it to their partial sums, the
+# embedding stores it. Each value is computed as pyml.formats.quant.dequantize computes it, in
+# float32, so the embedding's rows are its bits; and each block's products are added in the order
+# and to the partial sums the split-array loops above use, on the same weights (where a formula
+# differs, as Q4_0's (q - 8) * d against their q * d + (-8 d), both are exact for every finite d),
+# so the products are theirs bit for bit.
+
+
+def stored_half(builder, block, offset):
+    """The float16 at byte `offset` of `block` (an i8 pointer), widened to float32 (exactly)."""
+    pointer = builder.bitcast(builder.gep(block, [qdot_index(offset)]), QDOT_F16.as_pointer())
+    return builder.fpext(builder.load(pointer, align=1), QDOT_F32)
+
+
+def stored_byte(builder, block, offset):
+    return builder.load(builder.gep(block, [qdot_index(offset)]))
+
+
+def stored_nibbles(builder, block, offset):
+    """The 16 bytes at byte `offset` of `block` as (low nibbles, high nibbles), <16 x i8> each."""
+    packed = qdot_load(builder, block, qdot_index(offset), QDOT_I8, 16)
+    return builder.and_(packed, qdot_bytes(15, 16)), builder.lshr(packed, qdot_bytes(4, 16))
+
+
+def stored_q8_0_values(builder, row, values, use):
+    """Q8_0: 34-byte blocks of 32 values, float16 d then 32 int8 q; value = q * d."""
+    with cgutils.for_range(builder, builder.udiv(values, qdot_index(32))) as loop:
+        block = builder.gep(row, [builder.mul(loop.index, qdot_index(34))])
+        q = builder.sitofp(qdot_load(builder, block, qdot_index(2), QDOT_I8, 32), qdot_vector_type(QDOT_F32, 32))
+        use(builder.fmul(q, qdot_splat(builder, stored_half(builder, block, 0), 32)),
+            builder.mul(loop.index, qdot_index(32)))
+
+
+def stored_q4_0_values(builder, row, values, use):
+    """Q4_0: 18-byte blocks of 32 values, float16 d then 16 bytes of nibbles (low: values 0..15,
+    high: 16..31); value = (q - 8) * d."""
+    with cgutils.for_range(builder, builder.udiv(values, qdot_index(32))) as loop:
+        block = builder.gep(row, [builder.mul(loop.index, qdot_index(18))])
+        d = qdot_splat(builder, stored_half(builder, block, 0), 16)
+        for half, nibbles in enumerate(stored_nibbles(builder, block, 2)):
+            q = builder.sitofp(builder.sub(nibbles, qdot_bytes(8, 16)), qdot_vector_type(QDOT_F32, 16))
+            use(builder.fmul(q, d), builder.add(builder.mul(loop.index, qdot_index(32)), qdot_index(16 * half)))
+
+
+def stored_q4_1_values(builder, row, values, use):
+    """Q4_1: 20-byte blocks of 32 values, float16 d and m then 16 bytes of nibbles; value = q * d + m."""
+    with cgutils.for_range(builder, builder.udiv(values, qdot_index(32))) as loop:
+        block = builder.gep(row, [builder.mul(loop.index, qdot_index(20))])
+        d = qdot_splat(builder, stored_half(builder, block, 0), 16)
+        m = qdot_splat(builder, stored_half(builder, block, 2), 16)
+        for half, nibbles in enumerate(stored_nibbles(builder, block, 4)):
+            q = builder.uitofp(nibbles, qdot_vector_type(QDOT_F32, 16))
+            use(builder.fadd(builder.fmul(q, d), m),
+                builder.add(builder.mul(loop.index, qdot_index(32)), qdot_index(16 * half)))
+
+
+def stored_q5_0_values(builder, row, values, use):
+    """Q5_0: 22-byte blocks of 32 values, float16 d, 4 bytes of fifth bits (bit j of the
+    little-endian 32-bit word: value j), 16 bytes of low nibbles; value = (q - 16) * d."""
+    with cgutils.for_range(builder, builder.udiv(values, qdot_index(32))) as loop:
+        block = builder.gep(row, [builder.mul(loop.index, qdot_index(22))])
+        d = qdot_splat(builder, stored_half(builder, block, 0), 16)
+        fifth = qdot_load(builder, block, qdot_index(2), QDOT_I8, 4)
+        for half, nibbles in enumerate(stored_nibbles(builder, block, 6)):
+            # values 16 * half + i, i < 16: bit i % 8 of byte 2 * half + i // 8
+            spread = builder.shuffle_vector(
+                fifth, ir.Constant(fifth.type, ir.Undefined),
+                ir.Constant(qdot_vector_type(QDOT_I32, 16), [2 * half + i // 8 for i in range(16)]))
+            bits = builder.and_(
+                builder.lshr(spread, ir.Constant(qdot_vector_type(QDOT_I8, 16), [i % 8 for i in range(16)])),
+                qdot_bytes(1, 16))
+            q = builder.sub(builder.or_(nibbles, builder.shl(bits, qdot_bytes(4, 16))), qdot_bytes(16, 16))
+            use(builder.fmul(builder.sitofp(q, qdot_vector_type(QDOT_F32, 16)), d),
+                builder.add(builder.mul(loop.index, qdot_index(32)), qdot_index(16 * half)))
+
+
+def stored_q4_k_scales(builder, block):
+    """The (d * scale, dmin * min) of each of a Q4_K block's 8 sub-blocks, float32 scalars. Bytes
+    4..7 hold scales 0..3 (and in their top two bits the top bits of scales 4..7), bytes 8..11 the
+    same for the mins, bytes 12..15 the low nibbles of scales 4..7 (low) and of mins 4..7 (high)."""
+    d, dmin = stored_half(builder, block, 0), stored_half(builder, block, 2)
+
+    def byte(offset):
+        return stored_byte(builder, block, offset)
+
+    def six_bits(low, top):  # low's nibble or six bits, with top's two high bits above a nibble
+        if top is None:
+            return builder.and_(low, ir.Constant(QDOT_I8, 0x3F))
+        return builder.or_(low, builder.shl(builder.lshr(top, ir.Constant(QDOT_I8, 6)), ir.Constant(QDOT_I8, 4)))
+
+    scales = []
+    for j in range(8):
+        if j < 4:
+            scale, minimum = six_bits(byte(4 + j), None), six_bits(byte(8 + j), None)
+        else:
+            nibbles = byte(8 + j)
+            scale = six_bits(builder.and_(nibbles, ir.Constant(QDOT_I8, 15)), byte(j))
+            minimum = six_bits(builder.lshr(nibbles, ir.Constant(QDOT_I8, 4)), byte(4 + j))
+        scales.append((builder.fmul(d, builder.uitofp(scale, QDOT_F32)),
+                       builder.fmul(dmin, builder.uitofp(minimum, QDOT_F32))))
+    return scales
+
+
+def stored_q4_k_values(builder, row, values, use):
+    """Q4_K: 144-byte blocks of 256 values, float16 d and dmin, 12 bytes of 6-bit scales and mins,
+    128 bytes of nibbles in 4 runs of 32 (run r: values 64 r .. 64 r + 31 in the low nibbles, the
+    next 32 in the high ones), sub-block j of 32 values: value = (d * scale_j) * q - dmin * min_j."""
+    with cgutils.for_range(builder, builder.udiv(values, qdot_index(256))) as loop:
+        block = builder.gep(row, [builder.mul(loop.index, qdot_index(144))])
+        scales = stored_q4_k_scales(builder, block)
+        for run in range(4):
+            packed = qdot_load(builder, block, qdot_index(16 + 32 * run), QDOT_I8, 32)
+            nibbles = (builder.and_(packed, qdot_bytes(15, 32)), builder.lshr(packed, qdot_bytes(4, 32)))
+            for half in range(2):
+                scale, minimum = scales[2 * run + half]
+                q = builder.uitofp(nibbles[half], qdot_vector_type(QDOT_F32, 32))
+                use(builder.fsub(builder.fmul(qdot_splat(builder, scale, 32), q), qdot_splat(builder, minimum, 32)),
+                    builder.add(builder.mul(loop.index, qdot_index(256)), qdot_index(64 * run + 32 * half)))
+
+
+def stored_q6_k_values(builder, row, values, use):
+    """Q6_K: 210-byte blocks of 256 values, two halves of 128 (128 bytes of low nibbles, 64 of
+    2-bit highs, 16 int8 scales, one half's after the other's), then float16 d. In half h: low
+    nibbles of bytes 64 h + i are values i (i < 64), high nibbles values 64 + i; bits 2k, 2k + 1
+    of byte 128 + 32 h + i are value 32 k + i's top two; a scale per 16 values: value =
+    (d * scale) * (q - 32)."""
+    with cgutils.for_range(builder, builder.udiv(values, qdot_index(128))) as loop:
+        block = builder.gep(row, [builder.mul(builder.udiv(loop.index, qdot_index(2)), qdot_index(210))])
+        part = builder.urem(loop.index, qdot_index(2))
+        low = qdot_load(builder, block, builder.mul(part, qdot_index(64)), QDOT_I8, 64)
+        high = qdot_load(builder, block, builder.add(qdot_index(128), builder.mul(part, qdot_index(32))),
+                         QDOT_I8, 32)
+        d = stored_half(builder, block, 208)
+        first_scale = builder.add(qdot_index(192), builder.mul(part, qdot_index(8)))
+        for k in range(4):  # values 32k .. 32k + 31 of the half
+            source = qdot_lanes(builder, low, 32 * (k % 2), 32)
+            nibble = (builder.and_(source, qdot_bytes(15, 32)) if k < 2
+                      else builder.lshr(source, qdot_bytes(4, 32)))
+            high_bits = builder.and_(builder.lshr(high, qdot_bytes(2 * k, 32)), qdot_bytes(3, 32))
+            q = builder.sub(builder.or_(nibble, builder.shl(high_bits, qdot_bytes(4, 32))),
+                            qdot_bytes(32, 32))
+            q = builder.sitofp(q, qdot_vector_type(QDOT_F32, 32))
+            for half in range(2):  # 16 values per scale
+                scale_byte = builder.load(builder.gep(block, [builder.add(first_scale, qdot_index(2 * k + half))]))
+                scale = builder.fmul(d, builder.sitofp(scale_byte, QDOT_F32))
+                use(builder.fmul(qdot_lanes(builder, q, 16 * half, 16), qdot_splat(builder, scale, 16)),
+                    builder.add(builder.mul(loop.index, qdot_index(128)), qdot_index(32 * k + 16 * half)))
+
+
+def stored_float_loop(load):
+    """The loop of a row of plain floats: `load(builder, row, start, lanes)` gives values start ..
+    start + lanes - 1 as float32. 64 values at a time (4 vectors: the dot products' 4 partial sums),
+    then 16, then one by one: a row may have any length."""
+
+    def loop(builder, row, values, use):
+        by_64 = builder.mul(builder.udiv(values, qdot_index(64)), qdot_index(64))
+        by_16 = builder.mul(builder.udiv(values, qdot_index(16)), qdot_index(16))
+        with cgutils.for_range(builder, builder.udiv(values, qdot_index(64))) as chunk:
+            start = builder.mul(chunk.index, qdot_index(64))
+            use(load(builder, row, start, 64), start)
+        with cgutils.for_range(builder, builder.udiv(builder.sub(by_16, by_64), qdot_index(16))) as chunk:
+            start = builder.add(by_64, builder.mul(chunk.index, qdot_index(16)))
+            use(load(builder, row, start, 16), start)
+        with cgutils.for_range(builder, builder.sub(values, by_16)) as value:
+            start = builder.add(by_16, value.index)
+            use(load(builder, row, start, 1), start)
+
+    return loop
+
+
+def stored_f32(builder, row, start, lanes):
+    return qdot_load(builder, builder.bitcast(row, QDOT_F32.as_pointer()), start, QDOT_F32, lanes)
+
+
+def stored_f16(builder, row, start, lanes):
+    halves = qdot_load(builder, builder.bitcast(row, QDOT_F16.as_pointer()), start, QDOT_F16, lanes)
+    return builder.fpext(halves, qdot_vector_type(QDOT_F32, lanes))
+
+
+def stored_bf16(builder, row, start, lanes):
+    """bfloat16 is the top half of a float32: its 16 bits shifted into place."""
+    int16, int32 = ir.IntType(16), qdot_vector_type(QDOT_I32, lanes)
+    bits = qdot_load(builder, builder.bitcast(row, int16.as_pointer()), start, int16, lanes)
+    top = builder.shl(builder.zext(bits, int32), ir.Constant(int32, [16] * lanes))
+    return builder.bitcast(top, qdot_vector_type(QDOT_F32, lanes))
+
+
+stored_f32_values, stored_f16_values, stored_bf16_values = (
+    stored_float_loop(load) for load in (stored_f32, stored_f16, stored_bf16))
+
+
+def stored_kinds(builder, kind, loops, case):
+    """A switch on `kind` (an integer): `case(loop)` emits the code of the kind whose loop is
+    loops[kind]; a kind not in `loops` does nothing."""
+    done = builder.append_basic_block("stored_kind_done")
+    switch = builder.switch(kind, done)
+    for code, loop in loops.items():
+        block = builder.append_basic_block(f"stored_kind_{code}")
+        switch.add_case(ir.Constant(kind.type, code), block)
+        builder.position_at_end(block)
+        case(loop)
+        builder.branch(done)
+    builder.position_at_end(done)
+
+
+def stored_integer(value):
+    if not isinstance(value, types.Integer):
+        raise TypeError(f"a row's kind and address are integers, not {value}")
+
+
+def stored_row_dots(loops, count):
+    """The intrinsic f(kind, address, x, row, sample, y): y[sample + g, row] = sum_k W[k] * x[sample
+    + g, k] for g < count, W the row of x.shape[1] values whose first byte is at `address` (an
+    integer) in the layout of loops[kind] (a `stored_*_values` loop), x (B, in) float32 and y
+    (B, rows) C-contiguous (the sum in float32, converted to y's dtype). Each sample's sums are its
+    own, so its result is the same bits whatever `count` is (QdotSamples)."""
+
+    def codegen(context, builder, signature, args):
+        kind, address, x, row, sample, y = args
+        _, _, x_type, _, _, y_type = signature.args
+        columns = builder.extract_value(context.make_array(x_type)(context, builder, x).shape, 1)
+        first_byte = builder.inttoptr(address, QDOT_I8.as_pointer())
+
+        def case(loop):
+            samples = QdotSamples(context, builder, x_type, x, sample, count)
+            loop(builder, first_byte, columns, samples.add_products)
+            samples.store(context, y_type, y, sample, row)
+
+        stored_kinds(builder, kind, loops, case)
+        return context.get_dummy_value()
+
+    @intrinsic
+    def dots(typingctx, kind, address, x, row, sample, y):
+        stored_integer(kind)
+        stored_integer(address)
+        qdot_check(x, y)
+        return types.none(kind, address, x, row, sample, y), codegen
+
+    return dots
+
+
+def stored_row_values(loops):
+    """The intrinsic f(kind, address, out, n): out[n] = the row of out.shape[1] values at `address`
+    in the layout of loops[kind], dequantized in float32 (pyml.formats.quant.dequantize's bits)
+    and converted to out's dtype; out 2-D C-contiguous, float32 or float64."""
+
+    def codegen(context, builder, signature, args):
+        kind, address, out, n = args
+        out_type = signature.args[2]
+        out_row, columns = qdot_row(context, builder, out_type, out, n)
+        element = context.get_value_type(out_type.dtype)
+        first_byte = builder.inttoptr(address, QDOT_I8.as_pointer())
+
+        def store(weights, start):
+            if element != QDOT_F32:
+                weights = builder.fpext(weights, qdot_vector_type(element, weights.type.count))
+            builder.store(weights, builder.bitcast(builder.gep(out_row, [start]), weights.type.as_pointer()), align=1)
+
+        stored_kinds(builder, kind, loops, lambda loop: loop(builder, first_byte, columns, store))
+        return context.get_dummy_value()
+
+    @intrinsic
+    def values(typingctx, kind, address, out, n):
+        stored_integer(kind)
+        stored_integer(address)
+        qdot_check(out)
+        if out.dtype not in (types.float32, types.float64):
+            raise TypeError(f"a row is dequantized into float32 or float64, not {out.dtype}")
+        return types.none(kind, address, out, n), codegen
+
+    return values
+
+
+@intrinsic
+def stored_float64(typingctx, address, index):
+    """Value `index` of the row of little-endian float64 values whose first byte is at `address`
+    (a float64 model's rows: scalar code is enough for its exact tests)."""
+    stored_integer(address)
+    stored_integer(index)
+
+    def codegen(context, builder, signature, args):
+        address, index = args
+        row = builder.inttoptr(address, ir.DoubleType().as_pointer())
+        return builder.load(builder.gep(row, [index]), align=1)
+
+    return types.float64(address, index), codegen
 
 
 # --- int8 activations (`pyml generate --activations q8_0`) ----------------------------------------
