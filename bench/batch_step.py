@@ -75,7 +75,7 @@ def main() -> None:
     for activations in ("f32", "q8_0"):
         decoder = decoding.load_decoder(args.model, activations=activations)
         if activations == "f32":
-            prefill["float32 forward"] = prefill_seconds(decoder.model, args.repeats)
+            prefill["float32 forward"] = prefill_seconds(decoding.load_model(args.model), args.repeats)
         prefill[f"the step, {activations} activations"] = prefill_seconds(decoder, args.repeats)
         print("prefill", json.dumps(prefill), flush=True)
         results[activations] = []

@@ -3,9 +3,11 @@ quantized, for each target.
 
 Written from the same op list as the model's `run_decode`, each op by its kind
 (`pyml.codegen.kinds`, in the pass's mode "step"): each op calls the package's own kernel, as the
-float32 step does, except the linear ops, which call the target's
-`linear_row` (pyml/package/decode_cpu.py, decode_cuda.py) on weights in whatever format they are
-kept (GGUF blocks or float32 rows). The KV cache is written in place, and every buffer is one the
+float32 step does, except the linear ops, which call the target's linear map on weights in
+whatever format they are kept: on the CPU `linear_stored` (pyml/package/decode_cpu.py), which reads
+each row where the model's file stores it, as the embedding does (`embedding_stored`), so the step
+needs no float32 copy of any large weight; on CUDA `linear_row` (decode_cuda.py) on GGUF blocks or
+float32 rows copied to the device. The KV cache is written in place, and every buffer is one the
 caller allocated once. On the CPU the step is one Numba function with the layer loop inside, so a
 token costs one call from Python; on CUDA it is a Python function that launches one kernel per op
 and never waits for the device, since a kernel cannot launch the next. Shapes are those of one
@@ -65,6 +67,11 @@ class FusedStep:
         self.views: list[str] = []
         # (op prefix, weight parameter, bias parameter or None, the weight's tensors)
         self.linears: list[tuple] = []
+        # on the CPU: (op prefix, table parameter, the table's tensors) of each embedding op, whose
+        # rows the step reads as stored; and (parameter, per layer, its tensors) of every other
+        # parameter the step reads (norm gains, biases), which the caller supplies as arrays
+        self.embeddings: list[tuple] = []
+        self.parameters: list[tuple] = []
 
     def argument(self, name: str, source: str) -> str:
         if all(argument.name != name for argument in self.arguments):
@@ -96,7 +103,10 @@ class FusedStep:
     def param(self, attr: str) -> str:
         """A parameter; a per-layer one indexed by the layer: on the CPU stacked (layers, ...), on
         CUDA the model's list of views."""
-        if graph_param(self.graph, attr).per_layer:
+        param = graph_param(self.graph, attr)
+        if all(attr != known for known, _, _ in self.parameters):
+            self.parameters.append((attr, param.per_layer, param.tensors))
+        if param.per_layer:
             source = f"stack_layers(p.{attr})" if self.target == "cpu" else f"p.{attr}"
             return self.argument(attr, source) + "[l]"
         return self.argument(attr, f"p.{attr}")
@@ -123,17 +133,27 @@ class FusedStep:
         return [call]
 
     def linear_row(self, op: Op) -> list[Statement]:
-        """A linear op as the target's `linear_row` on the weights as kept, then its bias."""
+        """A linear op as the target's linear map on the weights as kept, then its bias."""
         bias = op.params.get("bias")
         weight_param = graph_param(self.graph, op.params["weight"])
         self.linears.append((op.prefix, op.params["weight"], bias, weight_param.tensors))
         weight = StepInput(f"{op.prefix}_weight", f'weights["{op.prefix}"]')
         layer = Code("l" if weight_param.per_layer else "0")
-        statements = self.in_parallel(Call("linear_row", (weight, layer, Act(op.inputs[0]),
+        linear_map = "linear_stored" if self.target == "cpu" else "linear_row"
+        statements = self.in_parallel(Call(linear_map, (weight, layer, Act(op.inputs[0]),
                                                           Act(op.outputs[0]))))
         if bias is not None:
             statements.append(Call("add_bias", (Act(op.outputs[0]), Weight(bias))))
         return statements
+
+    def stored_embedding(self, op: Op, scale: float) -> list[Statement]:
+        """An embedding op on the CPU: `embedding_stored` on its table's rows as stored, times
+        `scale` in the step's dtype (1.0 leaves the rows' bits as they are)."""
+        attr = op.params["weight"]
+        self.embeddings.append((op.prefix, attr, graph_param(self.graph, attr).tensors))
+        table = StepInput(f"{op.prefix}_weight", f'weights["{op.prefix}"]')
+        rounded = StepInput(f"{op.prefix}_scale", f"c.stream_in.dtype.type({scale!r})")
+        return [Call("embedding_stored", (table, Act(op.inputs[0]), Act(op.outputs[0]), rounded))]
 
     def lines(self, ops: list[Op]) -> list[str]:
         """The statements of `ops` (one of head, block, tail), as the model's decoding pass; two
@@ -159,7 +179,8 @@ def decode_context(graph: Graph, target: str) -> dict:
     constants = sorted({op.attrs[key] for op in graph.block for key in ("tables", "window")
                         if key in op.attrs})
     return {"arguments": step.arguments, "views": step.views, "head": head, "block": block,
-            "tail": tail, "linears": tuple(step.linears), "model_constants": ["N_LAYERS", *constants]}
+            "tail": tail, "linears": tuple(step.linears), "embeddings": tuple(step.embeddings),
+            "parameters": tuple(step.parameters), "model_constants": ["N_LAYERS", *constants]}
 
 
 def render_decode(graph: Graph, target: str, notice: str) -> str:

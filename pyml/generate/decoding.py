@@ -69,11 +69,9 @@ def load_decoder_spec(spec_path: Path) -> DecoderModel:
     return spec
 
 
-def load_model(model_dir: Path, spec_path: Path | None = None, device: str = "cpu",
-               adapter: Path | None = None, dtype=np.float32):
-    """The model of `model_dir` in its generated package, in `dtype`; `spec_path` (default: the
-    folder's spec.toml) names the spec, hence the package. `adapter` (a LoRA adapter folder of
-    `model_dir`) is folded into the weights as `pyml merge-lora` folds it."""
+def folder_package(model_dir: Path, spec_path: Path | None = None):
+    """The generated package that runs the model of `model_dir`: its spec's (`spec_path`, default
+    the folder's spec.toml), once config.json is checked to describe that spec."""
     model_dir = existing_folder(model_dir)
     if is_adapter_folder(model_dir):
         raise PymlError(f"{model_dir} holds LoRA adapters, not a model: give its base as --model "
@@ -81,43 +79,52 @@ def load_model(model_dir: Path, spec_path: Path | None = None, device: str = "cp
                         f"BASE {model_dir} --out DIR`")
     spec_path = folder_spec_path(model_dir) if spec_path is None else Path(spec_path)
     spec = load_decoder_spec(spec_path)
-    config = read_json(model_dir / "config.json")
-    mismatches = config_mismatches(spec, config)
+    mismatches = config_mismatches(spec, read_json(model_dir / "config.json"))
     if mismatches:
         raise PymlError(f"{model_dir} does not hold the model of {spec_path}: " + "; ".join(mismatches))
-    package = package_for(spec_path)
+    return package_for(spec_path)
+
+
+def load_model(model_dir: Path, spec_path: Path | None = None, device: str = "cpu",
+               adapter: Path | None = None, dtype=np.float32):
+    """The model of `model_dir` in its generated package, in `dtype`; `spec_path` (default: the
+    folder's spec.toml) names the spec, hence the package. `adapter` (a LoRA adapter folder of
+    `model_dir`) is folded into the weights as `pyml merge-lora` folds it."""
+    package = folder_package(model_dir, spec_path)
+    model = package.Model(dtype, device)
     if adapter is None:
-        return package.Model.from_safetensors(model_dir / "model.safetensors", dtype=dtype, device=device)
+        from pyml.formats.stored_tensors import stored_weights
+
+        model.load_tensors(*stored_weights(model_dir, dtype))
+        return model
     from pyml.train.lora import merged_tensors
 
-    model = package.Model(dtype, device)
-    model.load_tensors(merged_tensors(model_dir, Path(adapter)), f"{model_dir} with {adapter}")
+    model.load_tensors(merged_tensors(Path(model_dir), Path(adapter)), f"{model_dir} with {adapter}")
     return model
 
 
 def load_decoder(model_dir: Path, spec_path: Path | None = None, device: str = "cpu",
                  weights: str = "as-stored", adapter: Path | None = None, activations: str = "f32"):
-    """What `pyml generate` decodes with: the float32 model (`load_model`) for --weights f32, and
-    for a folder that stores float32 only; otherwise a `QuantizedDecoder` on the weights asked for
-    (pyml/generate/quantized.py says what each --weights and --activations means). With a
-    LoRA `adapter` folded in, the folder's GGUF no longer holds the weights: as-stored is then
-    float32."""
+    """What `pyml generate` decodes with: the float32 model (`load_model`) for --weights f32;
+    otherwise a `QuantizedDecoder` on the weights asked for (pyml/generate/quantized.py says what
+    each --weights and --activations means). On the CPU it reads the folder's weights where they
+    are stored, with no float32 copy; with a LoRA `adapter` folded in, the folded float32 weights
+    are the model's (as-stored is then float32). On CUDA the float32 model prefills the prompt."""
     from pyml.formats.gguf_import import SOURCE_GGUF
     from pyml.generate.quantized import QuantizedDecoder, check_weights
 
     check_weights(weights, activations)
-    gguf_path = existing_folder(model_dir) / SOURCE_GGUF
-    stored = gguf_path.is_file() and adapter is None
-    if weights == "f32" or (weights == "as-stored" and not stored):
-        if activations != "f32":
-            raise PymlError(f"--activations {activations} needs quantized weights, and {model_dir} "
-                            "stores float32 only: add --weights q8_0, q4_0 or q4_1")
+    if weights == "f32":
         return load_model(model_dir, spec_path, device, adapter)
-    if device == "cuda" and activations != "f32":
-        raise PymlError(f"--activations {activations} runs on the CPU only: leave it out to decode "
-                        "on the GPU")
-    return QuantizedDecoder.load(load_model(model_dir, spec_path, device, adapter), weights, gguf_path,
-                                 activations)
+    if device == "cuda" or adapter is not None:
+        if device == "cuda" and activations != "f32":
+            raise PymlError(f"--activations {activations} runs on the CPU only: leave it out to decode "
+                            "on the GPU")
+        gguf_path = existing_folder(model_dir) / SOURCE_GGUF
+        stored = gguf_path if gguf_path.is_file() and adapter is None else None
+        return QuantizedDecoder.of_model(load_model(model_dir, spec_path, device, adapter), weights,
+                                         activations, gguf_path=stored)
+    return QuantizedDecoder.of_folder(folder_package(model_dir, spec_path), model_dir, weights, activations)
 
 
 def load_tokenizer(model_dir: Path) -> Tokenizer:

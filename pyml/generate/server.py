@@ -457,7 +457,7 @@ def serve(model_dir: Path, host: str, port: int, max_queue: int, adapter: Path |
     model_dir = Path(model_dir)
     decoder = decoding.load_decoder(model_dir, weights=weights, adapter=adapter, activations=activations)
     if not isinstance(decoder, QuantizedDecoder):  # float32 weights: the fused step on float rows
-        decoder = QuantizedDecoder.on_float_rows(decoder)
+        decoder = QuantizedDecoder.of_model(decoder)
     max_seq_len = decoder.model.MAX_SEQ_LEN
     if context is not None and context > max_seq_len:
         raise PymlError(f"--context {context} exceeds the model's max_seq_len {max_seq_len}")

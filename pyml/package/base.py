@@ -21,7 +21,8 @@ from pyml.errors import PymlError
 from pyml.package.accumulate import loss_and_grads
 from pyml.package.cpu.loss import IGNORED_TARGET
 from pyml.package.cpu.rope import rope_tables
-from pyml.formats.safetensors_io import read_safetensors, write_safetensors
+from pyml.formats.safetensors_io import write_safetensors
+from pyml.formats.stored_tensors import stored_weights
 
 BUFFER_SHAPES = 4  # the (B, T) shapes whose activation buffers a model keeps
 
@@ -163,12 +164,10 @@ class Model:
 
     @classmethod
     def from_safetensors(cls, path, dtype=np.float32, device="cpu"):
-        """Load `path` (a model.safetensors file, or a folder holding one)."""
-        path = Path(path)
-        if path.is_dir():
-            path = path / "model.safetensors"
+        """Load `path`: a safetensors file, or a model folder (its weights as it stores them:
+        source.gguf, model.safetensors or shards)."""
         model = cls(dtype, device)
-        model.load_tensors(read_safetensors(path), str(path))
+        model.load_tensors(*stored_weights(path, dtype))
         return model
 
     def load_tensors(self, tensors, source):
@@ -200,19 +199,17 @@ class Model:
 
     @classmethod
     def from_base(cls, path, seed=0, dtype=np.float32, device="cpu"):
-        """A LoRA model: the frozen base weights from `path` (a model.safetensors file, or a folder
-        holding one, with the base model's tensor names) and the adapters initialised as the
+        """A LoRA model: the frozen base weights from `path` (a safetensors file, or a model
+        folder, with the base model's tensor names) and the adapters initialised as the
         `peft` library does (A uniform in +-1/sqrt(fan_in), B zero), seeded."""
         if cls.FROZEN_TENSOR_TABLE is None:
             raise PymlError(f"spec '{cls.SPEC_NAME}' has no [lora] table: load it with from_safetensors")
-        path = Path(path)
-        if path.is_dir():
-            path = path / "model.safetensors"
         model = cls(dtype, device)
         # the adapters come first in `initialized`'s table, so they draw the same values here
         # without drawing (and holding) a random base that the file would replace
         table = cls.TENSOR_TABLE(cls.Parameters(np.zeros(cls.Parameters.SIZE)))
-        model.load_tensors(initial_tensors(table, seed) | read_safetensors(path), str(path))
+        base, source = stored_weights(path, dtype)
+        model.load_tensors(initial_tensors(table, seed) | base, source)
         return model
 
     def adapter_tensors(self):
@@ -235,6 +232,21 @@ class Model:
         )
 
 
+def device_rope_tables(rope_tables_spec, max_seq_len, device):
+    """(cos, sin) per RoPE table ((the RoPE base, half the head_dim it rotates, its scaling) each),
+    (max_seq_len, half) on the device, in the device's dtype."""
+    tables = []
+    for theta, half, scaling in rope_tables_spec:
+        cos = np.zeros((max_seq_len, half), device.dtype)
+        sin = np.zeros((max_seq_len, half), device.dtype)
+        rope_tables(cos, sin, theta, scaling)
+        on_device = device.zeros(cos.shape), device.zeros(sin.shape)
+        device.to_device(cos, on_device[0])
+        device.to_device(sin, on_device[1])
+        tables.append(on_device)
+    return tables
+
+
 class DecoderModel(Model):
     """A decoder over token ids (B, T): training, logits, and decoding with a KV cache.
     Subclasses also set `ROPE_TABLES`: (the RoPE base, half the head_dim it rotates, the scaling
@@ -242,15 +254,7 @@ class DecoderModel(Model):
 
     def __init__(self, dtype=np.float32, device="cpu"):
         super().__init__(dtype, device)
-        self.rope = []  # (cos, sin) per table, (MAX_SEQ_LEN, half) on the device
-        for theta, half, scaling in self.ROPE_TABLES:
-            cos = np.zeros((self.MAX_SEQ_LEN, half), self.device.dtype)
-            sin = np.zeros((self.MAX_SEQ_LEN, half), self.device.dtype)
-            rope_tables(cos, sin, theta, scaling)
-            tables = self.device.zeros(cos.shape), self.device.zeros(sin.shape)
-            self.device.to_device(cos, tables[0])
-            self.device.to_device(sin, tables[1])
-            self.rope.append(tables)
+        self.rope = device_rope_tables(self.ROPE_TABLES, self.MAX_SEQ_LEN, self.device)
 
     @classmethod
     def table_bytes(cls, itemsize):

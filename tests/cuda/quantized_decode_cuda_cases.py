@@ -58,7 +58,7 @@ def test_cuda_step_logits_equal_a_numpy_forward_and_the_cpu_step():
     models = {"cpu": tiny.Model(), "cuda": tiny.Model(device="cuda")}
     for model in models.values():
         model.device.to_device(flat, model.params.flat)
-    decoders = {name: QuantizedDecoder.load(model, "q4_1", gguf_path=None) for name, model in models.items()}
+    decoders = {name: QuantizedDecoder.of_model(model, "q4_1") for name, model in models.items()}
     assert decoders["cuda"].step.__name__.endswith(".decode_cuda")
     gpu = models["cuda"]
     ids = rng.integers(0, tiny.VOCAB, 6).tolist()
@@ -77,4 +77,4 @@ def test_cuda_step_logits_equal_a_numpy_forward_and_the_cpu_step():
 def test_int8_activations_are_refused_in_one_line():
     model = tiny.Model(device="cuda")
     with pytest.raises(PymlError, match="--activations q8_0 runs on the CPU only"):
-        QuantizedDecoder.load(model, "q8_0", gguf_path=None, activations="q8_0")
+        QuantizedDecoder.of_model(model, "q8_0", activations="q8_0")

@@ -14,6 +14,8 @@ The real models through it (their greedy tokens equal to transformers') are in
 test_shipped_generation.py.
 """
 
+import importlib
+
 import numba
 import numpy as np
 import pytest
@@ -47,6 +49,7 @@ from tests.support.quantized_cases import (
 )
 
 tiny = project_package("llama_tiny").model
+decode_cpu_step = importlib.import_module(project_package("llama_tiny").__name__ + ".decode_cpu")
 
 
 def run_cpu_step(weight, layer, x):
@@ -238,12 +241,28 @@ def test_vnni_and_generic_vector_code_give_the_same_bits():
     assert outputs["host"][1:] == outputs["x86-64"][1:]
 
 
+def dequantize_linear_weights(model, weights):
+    """Replace each weight the step quantizes to `weights` by the dequantization of its blocks,
+    so that a float forward on the model runs the weights the step runs."""
+    from pyml.formats.quant import dequantize
+    from pyml.formats.quantize import quantize
+    from pyml.generate.quantized import QUANTIZE_TO
+
+    target, views = QUANTIZE_TO[weights], tiny.Model.tensors(model.params)
+    for _, _, _, parts in decode_cpu_step.LINEARS:
+        for layer in range(tiny.N_LAYERS):
+            for pattern, _, _ in parts:
+                view = views[pattern.format(l=layer)]
+                view[...] = dequantize(quantize(view, target).reshape(-1), target, view.shape)
+
+
 @pytest.mark.parametrize("weights", ["q8_0", "q4_0", "q4_1"])
 def test_fused_step_logits_equal_a_numpy_forward(weights):
     rng = np.random.default_rng(0)
     model = tiny.Model()
     model.params.flat[:] = rng.normal(0, 0.3, model.params.flat.shape)
-    decoder = QuantizedDecoder.load(model, weights, gguf_path=None)  # the float32 weights now dequantized
+    decoder = QuantizedDecoder.of_model(model, weights)
+    dequantize_linear_weights(model, weights)
     ids = rng.integers(0, tiny.VOCAB, 12).tolist()
     expected = reference_logits(model.params, ids)
     cache, logits = decoder.start_decoding(np.array([ids[:5]]), len(ids))
@@ -263,9 +282,11 @@ def test_fused_step_on_int8_activations_stays_near_the_numpy_forward(weights):
     rng = np.random.default_rng(0)
     model = tiny.Model()
     model.params.flat[:] = rng.normal(0, 0.3, model.params.flat.shape)
-    float_decoder = QuantizedDecoder.load(model, weights, gguf_path=None)
-    int8_decoder = QuantizedDecoder.load(model, weights, gguf_path=None, activations="q8_0")
-    assert set(int8_decoder.formats.values()) == {f"{weights.upper()} x Q8_0 activations"}
+    float_decoder = QuantizedDecoder.of_model(model, weights)
+    int8_decoder = QuantizedDecoder.of_model(model, weights, activations="q8_0")
+    assert {int8_decoder.formats[prefix] for prefix, _, _, _ in decode_cpu_step.LINEARS} == {
+        f"{weights.upper()} x Q8_0 activations"}
+    dequantize_linear_weights(model, weights)
     ids = rng.integers(0, tiny.VOCAB, 12).tolist()
     expected = reference_logits(model.params, ids)
     scale = np.abs(expected).max()
@@ -325,8 +346,7 @@ def test_a_sequence_decodes_the_same_bits_in_any_batch(weights):
     rng = np.random.default_rng(5)
     model = tiny.Model()
     model.params.flat[:] = rng.normal(0, 0.3, model.params.flat.shape)
-    decoder = (QuantizedDecoder.on_float_rows(model) if weights == "float rows"
-               else QuantizedDecoder.load(model, weights, gguf_path=None))
+    decoder = QuantizedDecoder.of_model(model, "as-stored" if weights == "float rows" else weights)
     prompts = [rng.integers(0, tiny.VOCAB, length).tolist() for length in (3, 7, 1, 12, 5)]
     tokens = [rng.integers(0, tiny.VOCAB, 10).tolist() for _ in prompts]
     alone = []
@@ -361,7 +381,7 @@ def test_a_prompt_longer_than_a_chunk_takes_several_steps_beside_the_others():
 
     model = tiny.Model()
     model.params.flat[:] = np.random.default_rng(6).normal(0, 0.3, model.params.flat.shape)
-    batch = DecodingBatch(QuantizedDecoder.on_float_rows(model), 3, 32, chunk=4)
+    batch = DecodingBatch(QuantizedDecoder.of_model(model), 3, 32, chunk=4)
     short = batch.add([1, 2])
     assert list(batch.step({})) == [short]
     long = batch.add(list(range(1, 13)))
@@ -386,7 +406,7 @@ def test_the_steps_keep_the_buffers_of_a_few_sizes():
     from pyml.generate.quantized import DecodingBatch
     from pyml.package.base import BUFFER_SHAPES
 
-    batch = DecodingBatch(QuantizedDecoder.on_float_rows(tiny.Model()), 1, 32, chunk=32)
+    batch = DecodingBatch(QuantizedDecoder.of_model(tiny.Model()), 1, 32, chunk=32)
     for length in range(1, 20):
         row = batch.add(list(range(1, length + 1)))
         batch.step({})

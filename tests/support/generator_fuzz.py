@@ -131,10 +131,9 @@ def fused_decoding(model, ids: np.ndarray) -> tuple[int, np.ndarray]:
     wraps within a step) and decodes the others, every position's logits from the prompt's last
     on; on CUDA it decodes only the last, after the float32 model's prefill of the others, since
     the simulator runs each GPU thread of a token in Python (tens of seconds a token here)."""
-    from pyml.generate.quantized import DecodingBatch, QuantizedDecoder, decode_module, float_row_weights
+    from pyml.generate.quantized import DecodingBatch, QuantizedDecoder
 
-    step = decode_module(model)
-    decoder = QuantizedDecoder(model, step, *float_row_weights(model, step.LINEARS))
+    decoder = QuantizedDecoder.of_model(model)
     if model.device.name == "cpu":
         prompt = max(1, ids.shape[1] // 2)
         cache = DecodingBatch(decoder, 1, ids.shape[1], chunk=2)

@@ -17,6 +17,8 @@ import gguf
 import numpy as np
 
 from pyml.formats.gguf_import import import_gguf
+from pyml.formats.safetensors_io import write_safetensors
+from pyml.formats.stored_tensors import StoredFolder
 from pyml.spec import load_spec
 
 SPECS = Path(__file__).resolve().parents[2] / "specs"
@@ -154,13 +156,16 @@ LLAMA3_TOKENS = LLAMA_TOKENS + ["Ġcapital", "123"]
 
 def write_gguf(path: Path, architecture: str, dims: dict[str, int],
                rope_scaling: dict | None = None, sentencepiece: bool = False,
-               pre: str | None = None, general: dict[str, object] | None = None) -> None:
+               pre: str | None = None, general: dict[str, object] | None = None,
+               tensor_types: dict[str, "gguf.GGMLQuantizationType"] | None = None) -> None:
     """A tiny GGUF of `architecture` (llama, qwen2, qwen3, phi3 or gemma3), every tensor float32;
     a llama one with `rope_scaling` (Hugging Face's: rope_type "linear" or "llama3"; a phi3 one:
     "longrope") stores it as llama.cpp's converter does, with `sentencepiece` Mistral's kind of
     vocabulary (phi3's always), with `pre` another byte-level pre-tokenizer ("llama-bpe":
     LLAMA3_TOKENS), with `general` these `general.*` keys (strings, counts and lists of strings, as
-    llama.cpp's converter types them). A phi3 one has its own head (untied), RoPE on dims["rope_dims"] features of
+    llama.cpp's converter types them), with `tensor_types` the matrices whose name holds a key
+    stored in its type (the first key that matches; "" matches every matrix; F16, or a type
+    gguf-py quantizes). A phi3 one has its own head (untied), RoPE on dims["rope_dims"] features of
     each head (default all) and a window of dims["window"] positions (default 0: none). Every
     model is of 64 positions."""
     gemma, qwen2, qwen3 = architecture == "gemma3", architecture == "qwen2", architecture == "qwen3"
@@ -277,7 +282,13 @@ def write_gguf(path: Path, architecture: str, dims: dict[str, int],
         if architecture == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = dims["heads"] if name.endswith("attn_q.weight") else dims["kv_heads"]
             weight = np.ascontiguousarray(llama_cpp_permute(weight, heads))
-        writer.add_tensor(name, weight)
+        stored_type = next((kind for key, kind in (tensor_types or {}).items() if key in name), None)
+        if weight.ndim == 2 and stored_type == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(name, weight.astype(np.float16))
+        elif weight.ndim == 2 and stored_type is not None:
+            writer.add_tensor(name, gguf.quants.quantize(weight, stored_type), raw_dtype=stored_type)
+        else:
+            writer.add_tensor(name, weight)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -290,6 +301,24 @@ def tiny_folder(root: Path, architecture: str, dims: dict[str, int] | None = Non
     gguf_path = root / f"tiny-{architecture}.gguf"
     write_gguf(gguf_path, architecture, dims)
     return import_gguf(gguf_path, root / f"tiny-{architecture}", progress=False)
+
+
+def transformers_folder(folder: Path) -> Path:
+    """`folder` as transformers' `from_pretrained` loads it. transformers reads no source.gguf, so
+    an imported folder is written again beside it (`<name>.transformers`, replaced each time) with
+    its weights as model.safetensors, float32, as pyml reads them: the folder's config and
+    tokenizer with the weights pyml runs. A folder of model.safetensors is itself."""
+    folder = Path(folder)
+    if not (folder / "source.gguf").exists():
+        return folder
+    loadable = folder.with_name(folder.name + ".transformers")
+    loadable.mkdir(exist_ok=True)
+    for path in folder.iterdir():
+        if path.name != "source.gguf":
+            (loadable / path.name).write_bytes(path.read_bytes())
+    write_safetensors(loadable / "model.safetensors", StoredFolder(folder).dense_tensors(),
+                      metadata={"format": "pt"})
+    return loadable
 
 
 def tiny_text(path: Path) -> Path:

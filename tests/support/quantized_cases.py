@@ -23,7 +23,7 @@ from gguf.quants import dequantize, quantize
 from pyml import exact
 from pyml.formats.gguf_quantized import BLOCKS, quantized_matrix
 from pyml.formats.quant import GGMLType
-from pyml.generate.quantized import STEP_KINDS, kept_arrays, weight_tuple
+from pyml.generate.cuda_weights import STEP_KINDS, kept_arrays, weight_tuple
 from pyml.package.decode_cpu import DENSE
 
 TYPES = (GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q4_K, GGML.Q6_K)  # the types of the shipped GGUFs

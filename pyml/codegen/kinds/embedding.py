@@ -3,7 +3,7 @@ scatter-adds the output gradient into the table's gradient (Lean law embedding_a
 
 from __future__ import annotations
 
-from pyml.codegen.calls import Act, Call, Grad, Statement, StepInput, Weight, WeightGrad
+from pyml.codegen.calls import Act, Call, Grad, Statement, Weight, WeightGrad
 from pyml.codegen.ir import Op
 from pyml.codegen.kinds.base import BackwardEnv, ForwardEnv, Kind, inputs, outputs, params
 
@@ -20,13 +20,10 @@ class Embedding(Kind):
     def forward(self, op: Op, env: ForwardEnv) -> list[Statement]:
         ids, table, y = Act(op.inputs[0]), Weight(op.params["weight"]), Act(op.outputs[0])
         if env.mode == "step" and env.target == "cpu":
-            # the CPU step is Numba: it calls the Numba kernel, whose scale (`embedding_forward`,
-            # in Python, rounds it to the table's dtype first) the step is given rounded
-            scale = env.graph.kernel_context(op.prefix)["scale"]
-            if scale == 1.0:
-                return [Call("k.embedding_forward_unscaled", (ids, table, y))]
-            rounded = StepInput(f"{op.prefix}_scale", f"p.{op.params['weight']}.dtype.type({scale!r})")
-            return [Call("k.embedding_forward_kernel", (ids, table, y, rounded))]
+            # the CPU step reads the table's rows as stored (quantized or float), as its linear
+            # maps do; the scale is given rounded to the step's dtype, as `embedding_forward`
+            # (in Python) rounds it to the table's
+            return env.stored_embedding(op, env.graph.kernel_context(op.prefix)["scale"])
         return [self.call(op, env, "forward", *inputs(op), *params(op), *outputs(op))]
 
     def adjoint(self, op: Op, env: BackwardEnv) -> list[Statement]:
