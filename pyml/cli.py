@@ -213,10 +213,13 @@ def import_gguf(
         help="Folder to write the model into, replacing a model folder there. Default: models/ and "
         "the shipped model's name, or the GGUF's file name without .gguf.")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace --out even when it is not a model folder.")] = False,
+    copy: Annotated[bool, typer.Option("--copy", help="Copy the GGUF into the folder as source.gguf instead of linking to it, for a folder that must outlive the GGUF being moved or deleted.")] = False,
 ) -> None:
-    """Dequantise a GGUF into the folder --out: model.safetensors (Hugging Face layout),
-    config.json, the tokenizer, the chat template if it has one, and spec.toml, the pyml spec of
-    the model (named after the folder; a shipped model's is the name of its spec in specs/)."""
+    """Make the folder --out a model folder of a GGUF, its weights kept as the GGUF stores them:
+    source.gguf, a symbolic link to the GGUF (or with --copy a copy of it), which every command
+    reads by memory map; config.json, the tokenizer, the chat template if it has one, and
+    spec.toml, the pyml spec of the model (named after the folder; a shipped model's is the name
+    of its spec in specs/)."""
     from pyml.formats.gguf_import import import_gguf as run_import
 
     if path is not None and shipped is not None:
@@ -231,8 +234,9 @@ def import_gguf(
         path, name = shipped_model.shipped_gguf_path(), shipped_model.SPEC_NAME
         out = out or Path("models") / shipped.value
     written = run_import(path, out or Path("models") / path.name.removesuffix(".gguf"), name=name,
-                         overwrite=overwrite)
-    print(f"wrote {written}")
+                         overwrite=overwrite, copy=copy)
+    how = "a copy of" if copy else "a link to"
+    print(f"wrote {written} (its weights: source.gguf, {how} {Path(path).resolve()})")
 
 
 @app.command("export-gguf")

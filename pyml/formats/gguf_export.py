@@ -54,11 +54,10 @@ from pyml.formats.gguf_architectures import (
     llama3_rope_factors,
 )
 from pyml.formats.gguf_read import GGUFFile, GGUFTensor
-from pyml.formats.gguf_import import SOURCE_GGUF
-from pyml.formats.model_folder import GENERAL_FILE, MODEL_FILE, is_adapter_folder
+from pyml.formats.model_folder import GENERAL_FILE, SOURCE_GGUF, is_adapter_folder
 from pyml.formats.quant import BLOCK_LAYOUT, GGMLType, tensor_nbytes
 from pyml.formats.quantize import quantize
-from pyml.formats.safetensors_io import read_safetensors
+from pyml.formats.stored_tensors import StoredFolder, StoredTensor
 from pyml.formats.tokenizer import (
     CONTROL_TOKEN,
     NORMAL_TOKEN,
@@ -133,8 +132,9 @@ def export_gguf(model_dir: Path, out: Path, type_name: str = "f32", progress: bo
                          tensors=rope_factor_tensors(model_dir, config))
     architecture = architecture_of(described)
     _check_reads_back(model_dir, described, architecture, config, tokenizer, settings)
-    tensors = read_safetensors(model_dir / MODEL_FILE)
-    plan = _tensor_plan(model_dir / MODEL_FILE, tensors, architecture, config, matrix_type)
+    stored = StoredFolder(model_dir)  # decoded one tensor at a time as it is written
+    tensors = dict(stored.tensors)
+    plan = _tensor_plan(stored.path / stored.source, tensors, architecture, config, matrix_type)
 
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -412,13 +412,13 @@ def _check_reads_back(
 
 def _tensor_plan(
     path: Path,
-    tensors: dict[str, np.ndarray],
+    tensors: dict[str, StoredTensor],
     architecture: Llama,
     config: dict,
     matrix_type: GGMLType,
 ) -> list[tuple[str, str, tuple[int, ...], GGMLType]]:
     """(GGUF name, Hugging Face name, shape, type) of every tensor, checked against the tensors
-    of the folder's model.safetensors (at `path`); the tensors that follow from the config
+    the folder stores (in the file at `path`); the tensors that follow from the config
     (`derived_tensors`) come last, with no Hugging Face name."""
     tied = config.get("tie_word_embeddings") is True
     expected = architecture.expected_shapes(tied)
@@ -537,7 +537,7 @@ def _write(path, architecture, metadata, tensors, plan, file_type, shown_name) -
             if hf_name is None:
                 writer.write_tensor_data(architecture.derived_tensors()[name])
                 continue
-            weight = np.asarray(tensors.pop(hf_name), dtype=np.float32)
+            weight = tensors.pop(hf_name).dense(np.float32)
             writer.write_tensor_data(quantize(gguf_weight(architecture, name, weight), kind))
     (handle,) = writer.fout
     handle.flush()

@@ -1,12 +1,15 @@
 """Importing a llama, qwen2, qwen3, phi3 or gemma3 GGUF as a Hugging Face model folder with its pyml spec.
 
-`import_gguf` writes model.safetensors (float32, Hugging Face tensor names and layout),
-source.gguf (a copy of the GGUF: `pyml generate` decodes on its quantized tensors as they are
-stored; a training checkpoint, whose weights are its own, does not carry it), config.json (the Hugging Face config of the architecture), generation_config.json,
-tokenizer.json, tokenizer_config.json, chat_template.jinja (when the file has one), spec.toml
-(the pyml spec of the model) and gguf_general.json (the file's `general.*` metadata: its name,
-license, base models, ..., which `pyml export-gguf` writes back). Everything is validated before anything is decoded or written, so a
-bad file fails with one PymlError line and leaves no half-written folder behind.
+`import_gguf` writes source.gguf, the weights as the GGUF stores them: a symbolic link to the GGUF
+(its absolute path: no second copy of a file of gigabytes), or with `copy` a copy of it, for a
+folder that must outlive the GGUF being moved. Every command reads the weights from it by memory
+map (`pyml.formats.stored_tensors`); none is dequantised here. Beside it: config.json (the Hugging
+Face config of the architecture), generation_config.json, tokenizer.json, tokenizer_config.json,
+chat_template.jinja (when the file has one), spec.toml (the pyml spec of the model) and
+gguf_general.json (the file's `general.*` metadata: its name, license, base models, ..., which
+`pyml export-gguf` writes back). A training checkpoint, whose weights are its own, holds
+model.safetensors instead. Everything is validated before anything is written, so a bad file
+fails with one PymlError line and leaves no half-written folder behind.
 """
 
 import json
@@ -22,7 +25,6 @@ from pyml.formats.gguf_architectures import Llama, architecture_of
 from pyml.formats.gguf_read import GGUFFile, read_gguf
 from pyml.formats.model_folder import GENERAL_FILE, SOURCE_GGUF, SPEC_FILE, is_model_folder
 from pyml.formats.quant import dequantize
-from pyml.formats.safetensors_io import write_safetensors
 from pyml.formats.spec_toml import spec_toml
 from pyml.formats.tokenizer import (
     build_tokenizer,
@@ -38,12 +40,17 @@ FILE_KEYS = ("general.architecture", "general.alignment", "general.file_type",
 
 
 def import_gguf(gguf_path: Path, out_dir: Path, progress: bool = True, name: str | None = None,
-                overwrite: bool = False) -> Path:
-    """Write the Hugging Face model folder for the GGUF at `gguf_path` into `out_dir`; its spec is
-    called `name` (default: after the folder). An existing `out_dir` is replaced whole when it is
-    an empty or a model folder, otherwise only with `overwrite` (`pyml.outputs`)."""
+                overwrite: bool = False, copy: bool = False) -> Path:
+    """Write the Hugging Face model folder for the GGUF at `gguf_path` into `out_dir`, its
+    source.gguf a symbolic link to the GGUF or, with `copy`, a copy of it; its spec is called
+    `name` (default: after the folder). An existing `out_dir` is replaced whole when it is an
+    empty or a model folder, otherwise only with `overwrite` (`pyml.outputs`)."""
     out_dir = check_destination(Path(out_dir), "a model folder", is_model_folder, overwrite)
     gguf = read_gguf(gguf_path)
+    source = Path(gguf_path).resolve()
+    if source.is_relative_to(out_dir.resolve()):
+        raise PymlError(f"{gguf_path} is inside --out {out_dir}, which the import replaces: "
+                        "write the model folder somewhere else")
     architecture = architecture_of(gguf)
     tied = check_tensors(gguf, architecture)
     tokenizer = build_tokenizer(gguf)
@@ -62,15 +69,16 @@ def import_gguf(gguf_path: Path, out_dir: Path, progress: bool = True, name: str
         files["chat_template.jinja"] = template.encode("utf-8")
     files[GENERAL_FILE] = _json_bytes(general_metadata(gguf))
 
-    with tqdm(total=len(gguf.tensors) + 1 + len(files), disable=not progress, unit="step") as bar:
-        bar.set_description("decoding tensors")
-        tensors = _decode_tensors(gguf, architecture, bar)
+    with tqdm(total=1 + len(files), disable=not progress, unit="file") as bar:
         try:
             with written_folder(out_dir) as folder:
-                bar.set_description("writing model.safetensors")
-                write_safetensors(folder / "model.safetensors", tensors, metadata={"format": "pt"})
+                if copy:
+                    bar.set_description(f"copying the GGUF into {SOURCE_GGUF}")
+                    shutil.copyfile(source, folder / SOURCE_GGUF)
+                else:
+                    bar.set_description(f"linking {SOURCE_GGUF} to {source}")
+                    (folder / SOURCE_GGUF).symlink_to(source)
                 bar.update()
-                shutil.copyfile(gguf_path, folder / SOURCE_GGUF)
                 for file_name, content in files.items():
                     bar.set_description(f"writing {file_name}")
                     (folder / file_name).write_bytes(content)
@@ -85,7 +93,7 @@ def load_gguf_tensors(gguf_path: Path) -> dict[str, np.ndarray]:
     gguf = read_gguf(gguf_path)
     architecture = architecture_of(gguf)
     check_tensors(gguf, architecture)
-    return _decode_tensors(gguf, architecture, bar=None)
+    return _decode_tensors(gguf, architecture)
 
 
 def spec_name(out_dir: Path) -> str:
@@ -141,7 +149,7 @@ def _generation_config(gguf: GGUFFile) -> dict[str, int]:
     return {name: index for name, index in ids.items() if index is not None}
 
 
-def _decode_tensors(gguf: GGUFFile, architecture: Llama, bar: tqdm | None) -> dict[str, np.ndarray]:
+def _decode_tensors(gguf: GGUFFile, architecture: Llama) -> dict[str, np.ndarray]:
     tensors = {}
     derived = architecture.derived_tensors()  # checked when the dims were read; no weights
     for name, tensor in gguf.tensors.items():
@@ -149,8 +157,6 @@ def _decode_tensors(gguf: GGUFFile, architecture: Llama, bar: tqdm | None) -> di
             continue
         weight = dequantize(tensor.data, tensor.ggml_type, tensor.shape)
         tensors[architecture.hf_name(name)] = architecture.hf_weight(name, weight)
-        if bar is not None:
-            bar.update()
     return tensors
 
 

@@ -1,10 +1,16 @@
 """A model folder: the weights and what a reader needs beside them to run the model.
 
-`pyml import-gguf` writes one, and every training checkpoint is one: `pyml generate --model`,
-`pyml export-gguf` and transformers' `from_pretrained` read it. It holds
+`pyml import-gguf` writes one, every training checkpoint is one, and a Hugging Face model folder as
+downloaded is one given a spec: `pyml generate --model`, `pyml export-gguf`, `pyml train --init`
+and transformers' `from_pretrained` read it. It holds
 
-    model.safetensors        the weights, under the model's tensor names (Hugging Face names for
-                             decoders, as the generated packages name them)
+    the weights, in the form they came (`pyml.formats.stored_tensors` reads them, by memory map):
+      source.gguf            an imported GGUF: a symbolic link to the file, or a copy of it
+                             (`pyml import-gguf --copy`); quantized as it was
+      model.safetensors      Hugging Face names and layout (a checkpoint's, in its training dtype;
+                             a downloaded model's, bf16, f16 or f32)
+      model.safetensors.index.json and its shards, model-0000N-of-0000M.safetensors, as Hugging
+                             Face shards a large model
     spec.toml                the pyml spec whose generated package runs the weights
     config.json              the Hugging Face config (LlamaForCausalLM, Gemma3ForCausalLM, ...)
     generation_config.json   the special token ids
@@ -13,9 +19,10 @@
                              license, base models, ...), which `pyml export-gguf` carries over
 
 The last six describe the architecture, the tokenizer and the model's origin, which training does
-not change: a checkpoint copies them from the folder its run started from (`--init`). A model trained from
-fresh weights has no such folder (the digits MLP, which has no Hugging Face class either): its
-checkpoints hold model.safetensors and spec.toml.
+not change: a checkpoint copies them from the folder its run started from (`--init`) and writes its
+own weights as model.safetensors (never source.gguf, which would no longer describe them). A model
+trained from fresh weights has no such folder (the digits MLP, which has no Hugging Face class
+either): its checkpoints hold model.safetensors and spec.toml.
 """
 
 from __future__ import annotations
@@ -52,17 +59,12 @@ def is_model_folder(path: Path) -> bool:
     if not path.is_dir():
         return False
     names = {child.name for child in path.iterdir()}
-    return not names or ({MODEL_FILE, "config.json"} <= names and STATE_FILE not in names)
+    holds_weights = bool(names & {MODEL_FILE, INDEX_FILE, SOURCE_GGUF})
+    return not names or (holds_weights and "config.json" in names and STATE_FILE not in names)
 
 
 def is_adapter_folder(path: Path) -> bool:
     return (Path(path) / ADAPTER_CONFIG_FILE).is_file() and not (Path(path) / MODEL_FILE).is_file()
-
-
-def weights_file(init: Path) -> Path:
-    """The weights of `--init`: the file itself, or the model.safetensors of the folder it names."""
-    init = Path(init)
-    return init / MODEL_FILE if init.is_dir() else init
 
 
 def folder_files(spec_path: Path, init: Path | None) -> dict[str, bytes]:

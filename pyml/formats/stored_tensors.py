@@ -35,7 +35,7 @@ from pyml.formats.gguf_import import check_tensors
 from pyml.formats.gguf_read import read_gguf
 from pyml.formats.model_folder import INDEX_FILE, MODEL_FILE, SOURCE_GGUF
 from pyml.formats.quant import GGMLType, dequantize
-from pyml.formats.safetensors_io import read_header
+from pyml.formats.safetensors_io import read_header, read_safetensors
 
 # safetensors dtype -> (the GGML type of the same encoding, bytes per value); any other dtype
 # holds no weights
@@ -81,7 +81,10 @@ class StoredTensor:
 
 
 class StoredFolder:
-    """The stored weights of a model folder (`path`), every source checked on construction."""
+    """The stored weights of a model folder (`path`), every source checked on construction:
+    `source`, the file that names them (source.gguf, model.safetensors or the index), `files`,
+    those that hold their bytes, and `tensors`, every weight by Hugging Face name (for a GGUF, not
+    the RoPE factors llama.cpp stores beside them: they follow from config.json)."""
 
     def __init__(self, folder: Path):
         self.path = Path(folder)
@@ -90,14 +93,14 @@ class StoredFolder:
             raise PymlError(f"{self.path}: {what}")
         gguf_path = self.path / SOURCE_GGUF
         if gguf_path.is_symlink() or gguf_path.exists():
-            self.source = SOURCE_GGUF
-            self.tensors, self.shards = _gguf_tensors(gguf_path), 1
+            self.source, self.files = SOURCE_GGUF, [gguf_path]
+            self.tensors = _gguf_tensors(gguf_path)
         elif (self.path / MODEL_FILE).exists():
-            self.source = MODEL_FILE
-            self.tensors, self.shards = _safetensors_tensors(self.path / MODEL_FILE), 1
+            self.source, self.files = MODEL_FILE, [self.path / MODEL_FILE]
+            self.tensors = _safetensors_tensors(self.path / MODEL_FILE)
         elif (self.path / INDEX_FILE).exists():
             self.source = INDEX_FILE
-            self.tensors, self.shards = _sharded_tensors(self.path / INDEX_FILE)
+            self.tensors, self.files = _sharded_tensors(self.path / INDEX_FILE)
         else:
             raise PymlError(
                 f"{self.path} holds no weights: no {SOURCE_GGUF}, {MODEL_FILE} or {INDEX_FILE} "
@@ -125,8 +128,19 @@ class StoredFolder:
         for tensor in self.tensors.values():
             by_type[tensor.ggml_type] = by_type.get(tensor.ggml_type, 0) + tensor.data.size
         types = sorted(by_type, key=lambda kind: -by_type[kind])
-        shards = [f"{self.shards} shards"] if self.source == INDEX_FILE else []
+        shards = [f"{len(self.files)} shards"] if self.source == INDEX_FILE else []
         return f"{self.source} ({', '.join([*(kind.name for kind in types), *shards, size_text(self.nbytes)])})"
+
+
+def stored_weights(path: Path, dtype=np.float32) -> tuple[dict[str, np.ndarray], str]:
+    """The weights of `path` as new arrays of `dtype` (what `load_tensors` takes), and what they
+    were read from, to name in errors: `path` a model folder (its stored weights), or a
+    safetensors file itself (as `pyml train --init` takes one)."""
+    path = Path(path)
+    if path.is_dir():
+        stored = StoredFolder(path)
+        return stored.dense_tensors(dtype), str(stored.path / stored.source)
+    return {name: array.astype(dtype, copy=False) for name, array in read_safetensors(path).items()}, str(path)
 
 
 def size_text(nbytes: int) -> str:
@@ -195,9 +209,8 @@ def _safetensors_tensors(path: Path) -> dict[str, StoredTensor]:
     return tensors
 
 
-def _sharded_tensors(index_path: Path) -> tuple[dict[str, StoredTensor], int]:
-    """The tensors the index's weight map names, each from the shard it names, and the number of
-    shards."""
+def _sharded_tensors(index_path: Path) -> tuple[dict[str, StoredTensor], list[Path]]:
+    """The tensors the index's weight map names, each from the shard it names, and the shards."""
     try:
         index = json.loads(index_path.read_text(encoding="utf-8"))
     except OSError as error:
@@ -227,4 +240,4 @@ def _sharded_tensors(index_path: Path) -> tuple[dict[str, StoredTensor], int]:
             if name not in in_shard:
                 raise PymlError(f"{index_path}: tensor {name!r} is not in {shard}, as it says")
             tensors[name] = in_shard[name]
-    return tensors, len(by_shard)
+    return tensors, [index_path.parent / shard for shard in by_shard]

@@ -31,9 +31,10 @@ from pyml.formats.model_folder import (
     MODEL_FILE,
     SPEC_FILE,
     is_model_folder,
-    weights_file,
 )
+from pyml.formats.quant import GGMLType
 from pyml.formats.safetensors_io import read_safetensors, write_safetensors
+from pyml.formats.stored_tensors import StoredFolder
 from pyml.outputs import atomic_write, check_destination, os_error, written_folder
 
 ADAPTER_MODEL_FILE = "adapter_model.safetensors"
@@ -47,14 +48,19 @@ LORA_FLAGS = {"rank": "--lora-rank", "alpha": "--lora-alpha", "targets": "--lora
 
 
 def base_weights_digest(init: Path) -> str:
-    """The sha256 of the base's weights file: a LoRA checkpoint holds only adapters, so a resume
-    must find the base weights they were trained on (about half a second for SmolLM2)."""
-    path = weights_file(init)
-    try:
-        with path.open("rb") as file:
-            return hashlib.file_digest(file, "sha256").hexdigest()
-    except OSError as error:
-        raise PymlError(f"{path}: cannot read the base weights ({error.strerror})") from None
+    """The sha256 of the base's weights files (source.gguf, model.safetensors or the shards, their
+    bytes one after the other): a LoRA checkpoint holds only adapters, so a resume must find the
+    base weights they were trained on (about half a second for SmolLM2)."""
+    init = Path(init)
+    digest = hashlib.sha256()
+    for path in StoredFolder(init).files if init.is_dir() else [init]:
+        try:
+            with path.open("rb") as file:
+                while chunk := file.read(1 << 24):
+                    digest.update(chunk)
+        except OSError as error:
+            raise PymlError(f"{path}: cannot read the base weights ({error.strerror})") from None
+    return digest.hexdigest()
 
 
 def parse_targets(text: str) -> list[str]:
@@ -163,8 +169,12 @@ def merged_tensors(base: Path, adapter: Path) -> dict[str, np.ndarray]:
     W + (lora_alpha / r) B A, in W's dtype; every adapter tensor checked against the base."""
     config = read_adapter_config(adapter)
     adapters = read_adapter_tensors(adapter)
-    base_path = Path(base) / MODEL_FILE
-    tensors = read_safetensors(base_path)
+    stored = StoredFolder(base)
+    base_path = stored.path / stored.source
+    # float32, or float64 where the base stores it (the reference tests' checkpoints): the merge
+    # adds in float64 and rounds back to this
+    tensors = {name: tensor.dense(np.float64 if tensor.ggml_type == GGMLType.F64 else np.float32)
+               for name, tensor in stored.tensors.items()}
     adapter_path = Path(adapter) / ADAPTER_MODEL_FILE
     if not adapters:
         raise PymlError(f"{adapter_path}: holds no adapter tensors")

@@ -12,13 +12,17 @@ and the data order's position and generator state, and nothing else in the loop 
 from __future__ import annotations
 
 import dataclasses
+import sys
+from math import prod
 from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 
 from pyml.errors import PymlError
-from pyml.formats.model_folder import SPEC_FILE, folder_files, weights_file
+from pyml.formats.model_folder import SPEC_FILE, folder_files
+from pyml.formats.quant import GGMLType
+from pyml.formats.stored_tensors import StoredFolder, size_text, stored_weights
 from pyml.outputs import check_destination
 from pyml.packages import package_for
 from pyml.train import examples
@@ -147,7 +151,7 @@ def train(
     if lora is not None and values.get("init") is not None:
         digest = base_weights_digest(Path(values["init"]))
         if resume and base.get("base_weights") not in (None, digest):
-            raise PymlError(f"{weights_file(Path(values['init']))} holds other weights than "
+            raise PymlError(f"--init {values['init']} holds other weights than "
                             f"the base {checkpoint}'s adapters were trained on; resume with that "
                             "base as --init, or start a new --out")
         values["base_weights"] = digest
@@ -162,6 +166,8 @@ def train(
     dtype_and_device = {"dtype": np.dtype(config.dtype), "device": config.device}
     lora_table = spec.lora if form == "decoder" else None  # the spec's own, or the flags'
     if lora_table is not None:
+        say_dense_copy(Path(config.init), config.dtype, "the base weights",
+                       "; LoRA over the weights as stored is not built yet")
         # a resume then loads the checkpoint's adapters over the freshly initialised ones
         model = package.Model.from_base(Path(config.init), seed=config.seed, **dtype_and_device)
         model_files = adapter_files(lora_table, Path(config.init))
@@ -169,7 +175,8 @@ def train(
         if resume or config.init is not None:
             model = package.Model(**dtype_and_device)
             if not resume:  # a resume loads the checkpoint's weights instead
-                model.load_tensors(*init_weights(Path(config.init)))
+                say_dense_copy(Path(config.init), config.dtype, "the weights for full fine-tuning")
+                model.load_tensors(*stored_weights(Path(config.init), config.dtype))
         else:
             model = package.Model.initialized(seed=config.seed, **dtype_and_device)
         model_files = folder_files(spec_path, None if config.init is None else Path(config.init))
@@ -229,12 +236,20 @@ def check_lora_on_resume(given: dict, recorded: dict | None, checkpoint: Path) -
                             f"({checkpoint}); leave it out to resume, or start a new --out")
 
 
-def init_weights(init: Path) -> tuple[dict[str, np.ndarray], str]:
-    """The tensors of `--init` (a model folder holding model.safetensors, or the file itself)."""
-    from pyml.formats.safetensors_io import read_safetensors
-
-    path = weights_file(init)
-    return read_safetensors(path), str(path)
+def say_dense_copy(init: Path, dtype: str, what: str, note: str = "") -> None:
+    """Say on stderr when training makes a `dtype` copy of `what` from an --init folder that
+    stores them otherwise (quantized, bf16, f16: smaller), and how big: the copy, not the file,
+    is what the run holds in memory."""
+    if not init.is_dir():
+        return
+    stored = StoredFolder(init)
+    kind = GGMLType.F64 if np.dtype(dtype) == np.float64 else GGMLType.F32
+    if all(tensor.ggml_type == kind for tensor in stored.tensors.values()):
+        return
+    values = sum(prod(tensor.shape) for tensor in stored.tensors.values())
+    print(f"pyml: making a {np.dtype(dtype).name} copy of {what}: "
+          f"{size_text(values * np.dtype(dtype).itemsize)} in memory, from {stored.describe()}{note}",
+          file=sys.stderr)
 
 
 def digits_pairs(config: TrainingConfig, package: ModuleType):

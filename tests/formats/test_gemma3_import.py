@@ -27,7 +27,8 @@ from gguf.quants import quantize as reference_quantize
 
 from pyml.errors import PymlError
 from pyml.formats.gguf_import import import_gguf
-from pyml.formats.safetensors_io import read_safetensors
+from pyml.formats.stored_tensors import StoredFolder
+from tests.support.model_folders import transformers_folder
 
 GGMLType = gguf.GGMLQuantizationType
 PROMPT = "The capital of France is"
@@ -45,7 +46,7 @@ def transformers_from_gguf(path: Path):
 def transformers_from_folder(folder: Path):
     from transformers import Gemma3ForCausalLM
 
-    return Gemma3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return Gemma3ForCausalLM.from_pretrained(transformers_folder(folder), dtype=torch.float32).eval()
 
 
 # -- the real model (imported once, tests/conftest.py; what every family shares is checked in
@@ -182,7 +183,7 @@ def test_tiny_model_equals_transformers_loading_it(tmp_path):
     reference = transformers_from_gguf(tmp_path / "tiny.gguf")
     ours = transformers_from_folder(tmp_path / "tiny-gemma")
     theirs = reference.state_dict()
-    written = read_safetensors(tmp_path / "tiny-gemma" / "model.safetensors")
+    written = StoredFolder(tmp_path / "tiny-gemma").dense_tensors()
     assert set(written) | {"lm_head.weight"} == set(theirs)
     for name, weight in written.items():
         assert np.array_equal(weight, theirs[name].numpy()), name
@@ -198,7 +199,7 @@ def test_tiny_model_equals_transformers_loading_it(tmp_path):
 def test_tiny_model_decodes_every_tensor_and_subtracts_one_from_the_norms(tmp_path):
     write_tiny_gemma3_gguf(tmp_path / "tiny.gguf")
     import_gguf(tmp_path / "tiny.gguf", tmp_path / "out", progress=False)
-    written = read_safetensors(tmp_path / "out" / "model.safetensors")
+    written = StoredFolder(tmp_path / "out").dense_tensors()
     reader = gguf.GGUFReader(tmp_path / "tiny.gguf")
     assert {t.tensor_type for t in reader.tensors} == set(QUANTISED_TYPES)
     for tensor in reader.tensors:
@@ -304,7 +305,7 @@ def test_a_head_of_its_own_is_imported_untied(tmp_path):
         tmp_path / "untied.gguf", shapes=tiny_shapes() | {"output.weight": (len(TINY_TOKENS), 64)}
     )
     import_gguf(tmp_path / "untied.gguf", tmp_path / "out", progress=False)
-    assert "lm_head.weight" in read_safetensors(tmp_path / "out" / "model.safetensors")
+    assert "lm_head.weight" in StoredFolder(tmp_path / "out").dense_tensors()
     assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] is False
     with open(tmp_path / "out" / "spec.toml", "rb") as handle:
         assert tomllib.load(handle)["lm_head"]["tied"] is False

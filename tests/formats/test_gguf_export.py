@@ -28,8 +28,9 @@ from pyml.formats.gguf_import import import_gguf
 from pyml.formats.gguf_read import read_gguf
 from pyml.formats.quant import GGMLType
 from pyml.formats.quantize import quantize
-from pyml.formats.safetensors_io import read_safetensors, write_safetensors
-from tests.support.model_folders import GEMMA, LLAMA, llama_cpp_permute, tiny_folder, write_gguf
+from pyml.formats.safetensors_io import write_safetensors
+from pyml.formats.stored_tensors import StoredFolder
+from tests.support.model_folders import GEMMA, LLAMA, llama_cpp_permute, tiny_folder, write_gguf, transformers_folder
 
 TYPES = ["f32", "f16", "q8_0", "q4_0", "q4_1"]
 GGML_TYPE = {"f32": GGMLType.F32, "f16": GGMLType.F16, "q8_0": GGMLType.Q8_0,
@@ -116,7 +117,7 @@ def exports(tiny_folders, tmp_path_factory) -> dict[tuple[str, str], Path]:
 @pytest.mark.parametrize("kind", TYPES)
 def test_tensors_are_gguf_quants_of_the_converter_values(tiny_folders, exports, architecture, kind):
     dims = LLAMA if architecture == "llama" else GEMMA
-    weights = read_safetensors(tiny_folders[architecture] / "model.safetensors")
+    weights = StoredFolder(tiny_folders[architecture]).dense_tensors()
     reader = gguf.GGUFReader(exports[architecture, kind])
     stored = {tensor.name: tensor for tensor in reader.tensors}
     assert set(stored) == {gguf_name(architecture, name) for name in weights}
@@ -142,7 +143,7 @@ def test_importing_the_export_gives_the_folder_back(
         assert (folder / name).is_file() == (again / name).is_file(), name
         if (folder / name).is_file():
             assert (again / name).read_bytes() == (folder / name).read_bytes(), name
-    ours, back = read_safetensors(folder / "model.safetensors"), read_safetensors(again / "model.safetensors")
+    ours, back = StoredFolder(folder).dense_tensors(), StoredFolder(again).dense_tensors()
     assert set(back) == set(ours)
     for name, weight in ours.items():
         if architecture == "gemma3" and name.endswith("norm.weight"):
@@ -165,7 +166,7 @@ def test_importing_the_export_gives_the_folder_back(
 def test_transformers_reads_the_tensors_we_read(exports, tmp_path, architecture, kind):
     path = exports[architecture, kind]
     theirs = transformers_from_gguf(path).state_dict()
-    ours = read_safetensors(import_gguf(path, tmp_path / "ours", progress=False) / "model.safetensors")
+    ours = StoredFolder(import_gguf(path, tmp_path / "ours", progress=False)).dense_tensors()
     assert set(ours) | {"lm_head.weight"} == set(theirs)
     for name, weight in ours.items():
         assert np.array_equal(theirs[name].numpy(), weight), name
@@ -181,7 +182,7 @@ def test_transformers_gives_the_logits_of_the_folder(tiny_folders, exports, arch
         PROMPT, return_tensors="pt"
     ).input_ids
     assert gguf_ids.tolist() == ids.tolist()
-    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(transformers_folder(folder), dtype=torch.float32).eval()
     with torch.no_grad():
         expected = reference(ids).logits
         logits = transformers_from_gguf(path)(ids).logits
@@ -242,6 +243,7 @@ def test_the_source_general_metadata_is_carried_over_and_a_fine_tune_names_its_b
 
     fine_tune = copy_folder(folder, tmp_path / "fine-tune")
     (fine_tune / "source.gguf").unlink()
+    write_safetensors(fine_tune / "model.safetensors", StoredFolder(folder).dense_tensors())
     exported = general_fields(export_gguf(fine_tune, tmp_path / "fine-tune.gguf", "q8_0", progress=False))
     assert exported["general.name"] == "Tiny Llama 1M Instruct (fine-tune)"
     for key in ("general.basename", "general.size_label", "general.finetune", "general.license",
@@ -313,8 +315,9 @@ def without(tensors: dict, name: str) -> dict:
 def test_a_folder_that_is_not_its_config_is_refused(tiny_folders, tmp_path, change, message):
     folder = copy_folder(tiny_folders["llama"], tmp_path / "bad")
     config = json.loads((folder / "config.json").read_text())
-    config, tensors = change(config, read_safetensors(folder / "model.safetensors"))
+    config, tensors = change(config, StoredFolder(folder).dense_tensors())
     (folder / "config.json").write_text(json.dumps(config))
+    (folder / "source.gguf").unlink()  # the weights as a checkpoint holds them, changed
     write_safetensors(folder / "model.safetensors", tensors)
     with pytest.raises(PymlError, match=message):
         export_gguf(folder, tmp_path / "out" / "model.gguf", progress=False)

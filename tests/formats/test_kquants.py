@@ -26,7 +26,7 @@ from pyml.formats.gguf_import import import_gguf
 from pyml.formats.gguf_read import read_gguf
 from pyml.formats.quant import BLOCK_LAYOUT, GGMLType, dequantize
 from pyml.formats.quantize import quantize
-from pyml.formats.safetensors_io import read_safetensors
+from pyml.formats.stored_tensors import StoredFolder
 from pyml.generate.decoding import load_model
 from tests.support.llama_cpp_reference import llama_cpp_module
 from tests.support.model_folders import LLAMA, write_gguf
@@ -133,7 +133,7 @@ def test_a_k_quant_export_is_the_mix_and_transformers_reads_it(kquant_folder, tm
     assert kinds == ({GGMLType.F32, GGMLType.Q6_K} | {asked}), kinds
     # imported back, every matrix is its float32 one within its type's bound
     back = import_gguf(exported, tmp_path / "back", progress=False)
-    original, decoded = (read_safetensors(folder / "model.safetensors") for folder in (kquant_folder, back))
+    original, decoded = (StoredFolder(folder).dense_tensors() for folder in (kquant_folder, back))
     architecture = architecture_of(written)
     for name, tensor in written.tensors.items():
         if tensor.ggml_type in K_TYPES:  # Q/K rows reordered whole: each row is one block here

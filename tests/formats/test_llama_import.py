@@ -27,9 +27,9 @@ from pyml.errors import PymlError
 from pyml.formats.gguf_architectures import unpermute_rotary_rows
 from pyml.formats.gguf_import import import_gguf
 from pyml.formats.gguf_read import read_gguf
-from pyml.formats.safetensors_io import read_safetensors
+from pyml.formats.stored_tensors import StoredFolder
 from pyml.formats.smollm2_gguf import shipped_gguf_path
-from tests.support.model_folders import llama_cpp_permute
+from tests.support.model_folders import llama_cpp_permute, transformers_folder
 
 GGMLType = gguf.GGMLQuantizationType
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
@@ -225,7 +225,7 @@ def test_tiny_model_of_every_type_imports_exactly(tmp_path):
         tensor.ggml_type.name for tensor in read_gguf(tmp_path / "tiny.gguf").tensors.values()
     } == {t.name for t in DECODED_TYPES}
     import_gguf(tmp_path / "tiny.gguf", tmp_path / "out", progress=False)
-    ours = read_safetensors(tmp_path / "out" / "model.safetensors")
+    ours = StoredFolder(tmp_path / "out").dense_tensors()
     assert ours.keys() == {hf_name(name) for name in expected}
     for name, weight in expected.items():
         assert np.array_equal(ours[hf_name(name)], weight), name
@@ -237,7 +237,7 @@ def test_tiny_model_equals_transformers_loading_it(tmp_path):
     write_tiny_llama_gguf(tmp_path / "tiny.gguf")
     import_gguf(tmp_path / "tiny.gguf", tmp_path / "out", progress=False)
     reference = transformers_from_gguf(tmp_path / "tiny.gguf")
-    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    ours = AutoModelForCausalLM.from_pretrained(transformers_folder(tmp_path / "out"), dtype=torch.float32)
     theirs = reference.state_dict()
     for name, tensor in ours.state_dict().items():
         assert torch.equal(tensor, theirs[name]), name

@@ -20,7 +20,7 @@ import torch
 
 from pyml.formats.chat_template import ChatTemplate
 from pyml.formats.gguf_import import import_gguf
-from pyml.formats.safetensors_io import read_safetensors
+from pyml.formats.stored_tensors import StoredFolder
 from pyml.generate.decoding import load_model, load_tokenizer
 from tests.support.llama_cpp_reference import llama_cpp_module
 from tests.support.model_folders import LLAMA, MISTRAL_TOKENS, write_gguf
@@ -98,7 +98,7 @@ def test_logits_equal_mistral_for_causal_lm_on_the_folders_tensors(mistral, tmp_
         rms_norm_eps=llama["rms_norm_eps"], rope_theta=llama["rope_theta"], sliding_window=None,
         tie_word_embeddings=llama["tie_word_embeddings"])
     reference = MistralForCausalLM(config).eval()
-    weights = {name: torch.tensor(value) for name, value in read_safetensors(folder / "model.safetensors").items()}
+    weights = {name: torch.tensor(value) for name, value in StoredFolder(folder).dense_tensors().items()}
     missing, unexpected = reference.load_state_dict(weights, strict=False)
     assert set(missing) <= {"lm_head.weight"} and not unexpected  # the head is tied
     ids = np.random.default_rng(0).integers(0, len(MISTRAL_TOKENS), (2, 20))
@@ -115,6 +115,6 @@ def test_the_export_imports_back_with_the_same_tokenizer_and_tensors(mistral, tm
                        progress=False)
     for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
         assert (back / name).read_text() == (folder / name).read_text(), name
-    original, again = (read_safetensors(f / "model.safetensors") for f in (folder, back))
+    original, again = (StoredFolder(f).dense_tensors() for f in (folder, back))
     for name in original:
         np.testing.assert_array_equal(original[name], again[name], err_msg=name)

@@ -26,13 +26,13 @@ from pyml.formats.gguf_architectures import architecture_of
 from pyml.formats.gguf_export import export_gguf
 from pyml.formats.gguf_import import import_gguf
 from pyml.formats.gguf_read import GGUFFile, GGUFTensor, read_gguf
-from pyml.formats.safetensors_io import read_safetensors
+from pyml.formats.stored_tensors import StoredFolder
 from pyml.generate.decoding import load_model, load_tokenizer
 from pyml.spec import load_spec
 from pyml.spec.layers import Attention
 from tests.support.hf_reference import compute_in_float64
 from tests.support.llama_cpp_reference import assert_llama_cpp_logits_equal_transformers
-from tests.support.model_folders import LLAMA, PHI3_TOKENS, write_gguf
+from tests.support.model_folders import LLAMA, PHI3_TOKENS, write_gguf, transformers_folder
 
 VOCAB = len(PHI3_TOKENS)
 # inputs are drawn from ids 3 to 298: the last four are control tokens, <|endoftext|> the pad id,
@@ -58,7 +58,7 @@ def phi3(request, tmp_path_factory):
 def reference_model(folder, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").eval()
+    return AutoModelForCausalLM.from_pretrained(transformers_folder(folder), dtype=dtype, attn_implementation="sdpa").eval()
 
 
 def test_the_folder_is_phi3s_model(phi3):
@@ -79,7 +79,7 @@ def test_the_folder_is_phi3s_model(phi3):
         assert config["original_max_position_embeddings"] == ORIGINAL
     else:
         assert attention.rope.scaling is None and "rope_scaling" not in config
-    tensors = read_safetensors(folder / "model.safetensors")
+    tensors = StoredFolder(folder).dense_tensors()
     assert tensors["model.layers.0.self_attn.qkv_proj.weight"].shape == ((4 + 2 * 2) * 8, 32)
     assert tensors["model.layers.1.mlp.gate_up_proj.weight"].shape == (2 * 64, 32)
     assert "lm_head.weight" in tensors
@@ -94,7 +94,7 @@ def test_tensors_equal_transformers_reading_the_gguf(phi3):
     reference = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
                                                      dtype=torch.float32).eval()
     theirs = reference.state_dict()
-    for name, tensor in read_safetensors(folder / "model.safetensors").items():
+    for name, tensor in StoredFolder(folder).dense_tensors().items():
         np.testing.assert_array_equal(tensor, theirs[name].numpy(), err_msg=name)
     if variant == "windowed":  # full rotary; within the window, which their loader leaves out
         ids = np.random.default_rng(0).integers(3, VOCAB - 4, (2, WINDOW))

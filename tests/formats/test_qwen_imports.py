@@ -21,12 +21,12 @@ import torch
 from pyml.formats.gguf_export import export_gguf
 from pyml.formats.gguf_import import import_gguf
 from pyml.formats.gguf_read import read_gguf
-from pyml.formats.safetensors_io import read_safetensors
+from pyml.formats.stored_tensors import StoredFolder
 from pyml.generate.decoding import load_model, load_tokenizer
 from pyml.spec import load_spec
 from tests.support.hf_reference import compute_in_float64
 from tests.support.llama_cpp_reference import assert_llama_cpp_logits_equal_transformers
-from tests.support.model_folders import LLAMA, QWEN3, write_gguf
+from tests.support.model_folders import LLAMA, QWEN3, write_gguf, transformers_folder
 
 TEXT = "The capital of France is Paris, and 12 and 7 are 19.\n\nIn the spring, the rivers run high."
 
@@ -56,7 +56,7 @@ def test_the_folder_is_its_familys_model(qwen):
     assert (config["model_type"], config["architectures"]) == (architecture, [FAMILIES[architecture][0]])
     assert config["use_sliding_window"] is False and "mlp_bias" not in config
     attention = load_spec(folder / "spec.toml").block.attention
-    tensors = read_safetensors(folder / "model.safetensors")
+    tensors = StoredFolder(folder).dense_tensors()
     assert "model.layers.0.self_attn.o_proj.bias" not in tensors and not attention.out_bias
     biases = {"model.layers.0.self_attn.q_proj.bias", "model.layers.1.self_attn.v_proj.bias"}
     norms = {"model.layers.0.self_attn.q_norm.weight", "model.layers.1.self_attn.k_norm.weight"}
@@ -72,7 +72,7 @@ def test_the_folder_is_its_familys_model(qwen):
 def test_tensors_and_logits_equal_transformers_reading_the_gguf(qwen):
     _, gguf_path, folder = qwen
     reference = transformers_from_gguf(gguf_path)
-    ours = read_safetensors(folder / "model.safetensors")
+    ours = StoredFolder(folder).dense_tensors()
     theirs = {name: tensor.numpy() for name, tensor in reference.state_dict().items()}
     for name, tensor in ours.items():
         np.testing.assert_array_equal(tensor, theirs[name], err_msg=name)  # no reordering undone
@@ -107,7 +107,7 @@ def test_loss_and_every_gradient_equal_transformers_in_float64(qwen, monkeypatch
     config = json.loads((folder / "config.json").read_text())
     compute_in_float64(monkeypatch, config["head_dim"], config["rope_theta"], modeling,
                        FAMILIES[architecture][0].removesuffix("ForCausalLM"))
-    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64, attn_implementation="sdpa")
+    reference = AutoModelForCausalLM.from_pretrained(transformers_folder(folder), dtype=torch.float64, attn_implementation="sdpa")
     model = load_model(folder, dtype=np.float64)
     # transformers' embedding takes config.json's pad id as its padding_idx, whose row no lookup
     # trains; that token is left out of the input
@@ -129,7 +129,7 @@ def test_the_export_is_its_familys_gguf_that_imports_back_and_transformers_reads
     metadata = read_gguf(exported).metadata
     assert metadata["general.architecture"] == architecture and metadata["tokenizer.ggml.pre"] == "qwen2"
     back = import_gguf(exported, tmp_path / "back", progress=False)
-    original, again = (read_safetensors(f / "model.safetensors") for f in (folder, back))
+    original, again = (StoredFolder(f).dense_tensors() for f in (folder, back))
     assert original.keys() == again.keys()
     for name in original:
         np.testing.assert_array_equal(original[name], again[name], err_msg=name)

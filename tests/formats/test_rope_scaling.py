@@ -23,13 +23,13 @@ from pyml.formats.gguf_architectures import Metadata, architecture_of, llama3_sc
 from pyml.formats.gguf_export import export_gguf
 from pyml.formats.gguf_import import import_gguf
 from pyml.formats.gguf_read import GGUFFile, read_gguf
-from pyml.formats.safetensors_io import read_safetensors
+from pyml.formats.stored_tensors import StoredFolder
 from pyml.generate.decoding import load_model, load_tokenizer
 from pyml.package.cpu.rope import scaled_frequencies
 from pyml.spec import load_spec
 from tests.support.hf_reference import compute_in_float64
 from tests.support.llama_cpp_reference import assert_llama_cpp_logits_equal_transformers
-from tests.support.model_folders import LLAMA, converter_rope_factors, write_gguf
+from tests.support.model_folders import LLAMA, converter_rope_factors, write_gguf, transformers_folder
 
 # heads of 32 (16 frequencies), so that two fall between Llama 3's bands, as in every Llama 3
 SCALED = LLAMA | {"head_dim": 32}
@@ -64,14 +64,14 @@ def test_the_folder_states_the_scaling_in_its_spec_and_config(scaled):
     assert config["rope_scaling"] == SCALINGS[name] and config["head_dim"] == 32
     rope = load_spec(folder / "spec.toml").block.attention.rope
     assert rope.theta == THETA and rope.scaling.model_dump() == spec_form(SCALINGS[name])
-    assert "rope_freqs.weight" not in str(read_safetensors(folder / "model.safetensors").keys())
+    assert "rope_freqs.weight" not in str(StoredFolder(folder).dense_tensors().keys())
 
 
 def test_logits_equal_transformers_scaling_its_rotary_frequencies(scaled):
     from transformers import AutoModelForCausalLM
 
     _, _, folder = scaled
-    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(transformers_folder(folder), dtype=torch.float32).eval()
     assert reference.config.rope_parameters["rope_type"] == scaled[0]
     ids = np.random.default_rng(0).integers(0, 96, (2, 48))  # positions past every band's edge
     with torch.no_grad():
@@ -85,7 +85,7 @@ def test_loss_and_every_gradient_equal_transformers_in_float64(scaled, monkeypat
     name, _, folder = scaled
     config = json.loads((folder / "config.json").read_text())
     compute_in_float64(monkeypatch, config["head_dim"], config["rope_theta"], scaling=spec_form(SCALINGS[name]))
-    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64, attn_implementation="sdpa")
+    reference = AutoModelForCausalLM.from_pretrained(transformers_folder(folder), dtype=torch.float64, attn_implementation="sdpa")
     model = load_model(folder, dtype=np.float64)
     ids = np.random.default_rng(1).integers(0, 96, (2, 41))
     ids[ids == config["pad_token_id"]] = 50  # transformers' padding_idx row is never trained
@@ -120,7 +120,7 @@ def test_the_export_stores_the_scaling_as_llama_cpp_and_imports_back(scaled, tmp
     # GGUF, neither key nor tensor, so its logits are not compared)
     reference = AutoModelForCausalLM.from_pretrained(exported.parent, gguf_file=exported.name, dtype=torch.float32)
     theirs = reference.state_dict()
-    for tensor_name, tensor in read_safetensors(folder / "model.safetensors").items():
+    for tensor_name, tensor in StoredFolder(folder).dense_tensors().items():
         np.testing.assert_array_equal(tensor, theirs[tensor_name].numpy(), err_msg=tensor_name)
 
 
@@ -143,7 +143,7 @@ def test_greedy_tokens_on_the_stored_weights_equal_transformers(scaled):
     ids = tokenizer.encode("the capital of France is Paris, and the capital of Italy is").ids
     decoder = generation.load_decoder(folder, weights="as-stored")
     ours = generation.generate(decoder, tokenizer, ids, 12, set(), out=None).new_ids
-    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(transformers_folder(folder), dtype=torch.float32).eval()
     with torch.no_grad():
         expected = reference.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
                                       attention_mask=torch.ones(1, len(ids), dtype=torch.long))

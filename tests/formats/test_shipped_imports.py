@@ -17,19 +17,20 @@ from tokenizers import Tokenizer
 
 from pyml.formats.gguf_import import load_gguf_tensors
 from pyml.formats.gguf_read import read_gguf
-from pyml.formats.safetensors_io import read_safetensors
+from pyml.formats.stored_tensors import StoredFolder
 from tests.support.families import FAMILIES
+from tests.support.model_folders import transformers_folder
 
 pytestmark = pytest.mark.parametrize("family", list(FAMILIES))
 SLIDING, FULL = "sliding_attention", "full_attention"
-# What each import writes beside model.safetensors and source.gguf (the file itself, which
-# `pyml generate --weights as-stored` decodes on).
+# What each import writes: source.gguf, a link to the file itself, which every command reads
+# by memory map, and the files that describe the model.
 FILES = {
     "smollm2": ["chat_template.jinja", "config.json", "generation_config.json", "gguf_general.json",
-                "model.safetensors", "source.gguf", "spec.toml", "tokenizer.json", "tokenizer_config.json"],
+                "source.gguf", "spec.toml", "tokenizer.json", "tokenizer_config.json"],
     # no chat template: Gemma 3 270M is the base model
-    "gemma3": ["config.json", "generation_config.json", "gguf_general.json", "model.safetensors",
-               "source.gguf", "spec.toml", "tokenizer.json", "tokenizer_config.json"],
+    "gemma3": ["config.json", "generation_config.json", "gguf_general.json", "source.gguf",
+               "spec.toml", "tokenizer.json", "tokenizer_config.json"],
 }
 CONFIGS = {
     "smollm2": {
@@ -83,7 +84,7 @@ def reference(request, family):
 
 @pytest.mark.slow
 def test_weights_equal_transformers_loading_the_gguf(imported, reference):
-    ours = read_safetensors(imported / "model.safetensors")
+    ours = StoredFolder(imported).dense_tensors()
     theirs = {name: tensor.numpy() for name, tensor in reference[0].state_dict().items()}
     # The head is tied: transformers lists it, the file (like Hugging Face's own) does not.
     assert set(theirs) == set(ours) | {"lm_head.weight"}
@@ -97,7 +98,7 @@ def test_weights_equal_transformers_loading_the_gguf(imported, reference):
 def test_the_folder_gives_transformers_the_model_of_the_gguf(imported, reference, family):
     from transformers import AutoModelForCausalLM
 
-    ours = AutoModelForCausalLM.from_pretrained(imported, dtype=torch.float32).eval()
+    ours = AutoModelForCausalLM.from_pretrained(transformers_folder(imported), dtype=torch.float32).eval()
     theirs, tokenizer = reference
     assert type(ours) is type(theirs)
     for field in COMPARED_FIELDS[family]:
@@ -114,7 +115,8 @@ def test_the_folder_gives_transformers_the_model_of_the_gguf(imported, reference
 def test_written_files(imported, family):
     shipped = FAMILIES[family].shipped_gguf()
     assert sorted(path.name for path in imported.iterdir()) == FILES[family]
-    assert (imported / "source.gguf").read_bytes() == shipped.read_bytes()
+    assert (imported / "source.gguf").is_symlink()
+    assert (imported / "source.gguf").readlink() == shipped.resolve()
     general = json.loads((imported / "gguf_general.json").read_text())
     assert general["general.name"] == read_gguf(shipped).metadata["general.name"]
     config = json.loads((imported / "config.json").read_text())
@@ -139,7 +141,7 @@ def test_written_spec_is_the_hand_written_spec(imported, family):
 
 
 def test_load_gguf_tensors_gives_what_import_writes(imported, family):
-    written = read_safetensors(imported / "model.safetensors")
+    written = StoredFolder(imported).dense_tensors()
     loaded = load_gguf_tensors(FAMILIES[family].shipped_gguf())
     assert loaded.keys() == written.keys()
     assert all(np.array_equal(loaded[name], written[name]) for name in written)

@@ -10,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.models.llama import modeling_llama
 
 from tests.support.torch_reference import scaled_in_float64
+from tests.support.model_folders import transformers_folder
 
 
 def rms_norm_in_input_dtype(self, hidden):
@@ -68,7 +69,7 @@ def llama_in_float64(folder: Path, monkeypatch) -> LlamaForCausalLM:
 
     config = json.loads((folder / "config.json").read_text())
     compute_in_float64(monkeypatch, config["head_dim"], config["rope_theta"])
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64, attn_implementation="sdpa").eval()
+    return AutoModelForCausalLM.from_pretrained(transformers_folder(folder), dtype=torch.float64, attn_implementation="sdpa").eval()
 
 
 def reference_loss(reference, ids, targets):

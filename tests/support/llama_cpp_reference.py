@@ -9,6 +9,7 @@ import torch
 
 from pyml.formats.gguf_export import export_gguf
 from tests.support import anchors
+from tests.support.model_folders import transformers_folder
 
 
 def llama_cpp_module():
@@ -26,7 +27,7 @@ def assert_llama_cpp_logits_equal_transformers(folder: Path, tmp_path: Path, ids
     runner = llama_cpp.Llama(str(exported), n_ctx=64, logits_all=True, verbose=False, n_threads=2,
                              type_k=0, type_v=0, flash_attn=False)  # GGML_TYPE_F32 keys and values
     runner.eval(ids)
-    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(transformers_folder(folder), dtype=torch.float32).eval()
     with torch.no_grad():
         expected = reference(torch.tensor([ids])).logits[0].numpy()
     np.testing.assert_allclose(np.array(runner.scores[:len(ids)]), expected, rtol=1e-4, atol=1e-4)

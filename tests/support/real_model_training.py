@@ -6,13 +6,14 @@ torch's shows in the next loss."""
 
 import numpy as np
 import torch
+from tests.support.model_folders import transformers_folder
 
 LR, BETAS, EPS, WEIGHT_DECAY = 3e-4, (0.9, 0.95), 1e-8, 0.1
 
 
 def torch_losses(model_class, folder, batches) -> list[float]:
     """transformers' `model_class` from `folder` (SDPA attention) with torch.optim.AdamW."""
-    model = model_class.from_pretrained(folder, dtype=torch.float32)
+    model = model_class.from_pretrained(transformers_folder(folder), dtype=torch.float32)
     model.config._attn_implementation = "sdpa"
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS,

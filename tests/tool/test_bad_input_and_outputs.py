@@ -161,7 +161,38 @@ def test_overwrite_replaces_what_is_not_its_own_kind(user, tmp_path):
     (target / "state.json").write_text("{}")
     result = pyml("import-gguf", user.llama_gguf, "--out", target, "--overwrite", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert not (target / "state.json").exists() and (target / "model.safetensors").is_file()
+    assert not (target / "state.json").exists() and (target / "source.gguf").is_file()
+
+
+def test_import_links_the_gguf_or_copies_it_and_a_moved_gguf_is_said_in_one_line(user, tmp_path):
+    """source.gguf is a link to the GGUF (no second copy); once the GGUF is moved, a command on the
+    folder says so in one line, exit 2; --copy makes a folder that outlives the move."""
+    gguf_path = tmp_path / "tiny.gguf"
+    gguf_path.write_bytes(user.llama_gguf.read_bytes())
+    linked, copied = tmp_path / "linked", tmp_path / "copied"
+    made = pyml("import-gguf", gguf_path, "--out", linked, cwd=tmp_path)
+    assert made.returncode == 0 and f"source.gguf, a link to {gguf_path.resolve()}" in made.stdout
+    assert (linked / "source.gguf").readlink() == gguf_path.resolve()
+    assert "model.safetensors" not in {path.name for path in linked.iterdir()}
+    assert pyml("import-gguf", gguf_path, "--out", copied, "--copy", cwd=tmp_path).returncode == 0
+    assert not (copied / "source.gguf").is_symlink()
+    assert (copied / "source.gguf").read_bytes() == gguf_path.read_bytes()
+
+    gguf_path.rename(tmp_path / "moved.gguf")
+    ask = ["--prompt", "the", "--max-new-tokens", "2"]
+    moved = pyml("generate", "--model", linked, *ask, cwd=tmp_path)
+    assert moved.returncode == 2 and moved.stderr.count("\n") == 1, moved.stderr
+    assert (f"source.gguf: the GGUF it points to, {gguf_path.resolve()}, is missing: it was moved "
+            "or deleted; import it again") in moved.stderr
+    assert pyml("generate", "--model", copied, *ask, cwd=tmp_path).returncode == 0
+
+
+def test_import_refuses_a_gguf_inside_the_folder_it_replaces(user, tmp_path):
+    folder = tmp_path / "model"
+    assert pyml("import-gguf", user.llama_gguf, "--out", folder, "--copy", cwd=tmp_path).returncode == 0
+    again = pyml("import-gguf", folder / "source.gguf", "--out", folder, cwd=tmp_path)
+    assert again.returncode == 2 and "is inside --out" in again.stderr, again.stderr
+    assert (folder / "source.gguf").is_file()
 
 
 def test_stale_temporaries_are_removed_at_the_next_run_and_said(user, tmp_path):

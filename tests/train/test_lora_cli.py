@@ -20,6 +20,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 
 from pyml.errors import PymlError
 from pyml.formats.safetensors_io import read_safetensors, write_safetensors
+from pyml.formats.stored_tensors import StoredFolder
 from pyml.generate import decoding as generation
 from pyml.train.checkpoint import read_state
 from pyml.train.config import TrainingConfig
@@ -40,7 +41,7 @@ from pyml.train.lora import (
 from pyml.train.loss_curve import describe_settings
 from pyml.train.run import train
 from tests.support.hf_reference import llama_in_float64
-from tests.support.model_folders import tiny_text, tiny_training
+from tests.support.model_folders import tiny_text, tiny_training, transformers_folder
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECS = ROOT / "specs"
@@ -139,7 +140,7 @@ def test_merge_lora_folder_has_the_logits_of_peft_merge_and_unload(tiny_folders,
     ours = read_safetensors(merged / "model.safetensors")
     theirs = {name: t.numpy() for name, t in reference.state_dict().items()
               if name != "lm_head.weight"}  # tied: lm_head is the embedding
-    assert set(ours) == set(theirs) == set(read_safetensors(init / "model.safetensors"))
+    assert set(ours) == set(theirs) == set(StoredFolder(init).tensors)
     for name, tensor in ours.items():
         assert tensor.dtype == np.float32
         np.testing.assert_array_max_ulp(tensor, theirs[name].astype(np.float32), maxulp=1)
@@ -179,10 +180,10 @@ def test_resume_refuses_a_base_whose_weights_changed(tiny_folders, tmp_path):
     first = lora_training(init, out, steps=1)
     assert read_state(first.checkpoint)["config"]["base_weights"] == base_weights_digest(init)
     saved = {path: path.read_bytes() for path in first.checkpoint.iterdir()}
-    tensors = read_safetensors(init / "model.safetensors")
-    tensors["model.norm.weight"] = tensors["model.norm.weight"] * 2
-    write_safetensors(init / "model.safetensors", tensors)
-    with pytest.raises(PymlError, match=r"^.*base/model.safetensors holds other weights than the "
+    weights = bytearray((init / "source.gguf").read_bytes())  # the copy's: write_bytes copied it
+    weights[-1] ^= 1  # a bit of the last weight
+    (init / "source.gguf").write_bytes(weights)
+    with pytest.raises(PymlError, match=r"^--init .*base holds other weights than the "
                                         r"base .*step_000001's adapters were trained on; resume "
                                         r"with that base as --init, or start a new --out$"):
         lora_training(init, out, steps=2, resume=True)
@@ -256,7 +257,7 @@ def test_smollm2_three_lora_steps_track_peft(smollm2_folder):
     _, package = lora_spec(SPECS / "smollm2_135m.toml", settings)
     model = package.Model.from_base(smollm2_folder, seed=3)
     adapters = model.adapter_tensors()
-    base = AutoModelForCausalLM.from_pretrained(smollm2_folder, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(transformers_folder(smollm2_folder), dtype=torch.float32)
     reference = get_peft_model(base, peft_config(settings))
     with torch.no_grad():
         for name, param in reference.named_parameters():
@@ -294,7 +295,7 @@ def test_generate_with_an_adapter_answers_as_the_merged_folder(tiny_folders, lor
     # the weights it ran are the merged folder's, not the base's
     loaded = generation.load_model(init, SPECS / "llama_tiny.toml", adapter=checkpoint)
     merged_tensors = read_safetensors(merged / "model.safetensors")
-    base_tensors = read_safetensors(init / "model.safetensors")
+    base_tensors = StoredFolder(init).dense_tensors()
     for name, tensor in loaded.host_tensors().items():
         assert np.array_equal(tensor, merged_tensors[name]), name
     adapted = "model.layers.1.mlp.down_proj.weight"
@@ -319,7 +320,7 @@ def test_gemma3_lora_checkpoint_and_merge_match_peft(tiny_folders, tmp_path):
     ours.load_adapter_tensors(read_adapter_tensors(checkpoint), str(checkpoint))
 
     def gemma(folder):
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64,
+        return AutoModelForCausalLM.from_pretrained(transformers_folder(folder), dtype=torch.float64,
                                                     attn_implementation="eager").eval()
 
     ids = np.random.default_rng(0).integers(0, package.model.VOCAB, (1, 12))
