@@ -144,10 +144,12 @@ def stored_weights(path: Path, dtype=np.float32) -> tuple[dict[str, np.ndarray],
 
 
 def size_text(nbytes: int) -> str:
-    """A size as people read it: 1.37 GiB, 94.0 MiB."""
+    """A size as people read it: 1.37 GiB, 94.0 MiB, 12.5 KiB."""
     if nbytes >= 2**30:
         return f"{nbytes / 2**30:.2f} GiB"
-    return f"{nbytes / 2**20:.1f} MiB"
+    if nbytes >= 2**20:
+        return f"{nbytes / 2**20:.1f} MiB"
+    return f"{nbytes / 2**10:.1f} KiB"
 
 
 def _gguf_tensors(path: Path) -> dict[str, StoredTensor]:

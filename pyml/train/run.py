@@ -277,7 +277,8 @@ def text_pairs(config: TrainingConfig, package: ModuleType):
     if config.init is None:
         raise PymlError(
             "decoders need --init: a model folder (from `pyml import-gguf`) whose tokenizer.json "
-            "tokenises the training text and whose model.safetensors holds the starting weights; "
+            "tokenises the training text and whose weights (source.gguf, model.safetensors) are the "
+            "starting weights; "
             "a decoder of your own from fresh weights trains from Python (pyml.compile(SPEC), "
             "then Model.initialized and train_step on your token ids)"
         )

@@ -208,3 +208,26 @@ def test_a_dtype_that_holds_no_weights_is_refused(tmp_path):
     save_file({"model.embed_tokens.weight": torch.zeros(4, 4, dtype=torch.int8)},
               tmp_path / "model.safetensors")
     refused(tmp_path, "'model.embed_tokens.weight' has dtype I8", "not a weight dtype pyml reads")
+
+
+def test_a_hugging_face_folder_as_downloaded_runs_given_a_spec(tmp_path):
+    """config.json, the tokenizer and bf16 shards with their index, no spec.toml: `load_model`
+    (pyml eval, generate --weights f32) runs it with --spec, its weights the shards' values."""
+    from pyml.generate.decoding import load_model
+
+    imported = tiny_folder(tmp_path, "llama")
+    downloaded = tmp_path / "downloaded"
+    downloaded.mkdir()
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        (downloaded / name).write_bytes((imported / name).read_bytes())
+    dense = StoredFolder(imported).dense_tensors()
+    names = sorted(dense)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, held in shards.items():
+        save_file({name: torch.from_numpy(dense[name]).to(torch.bfloat16) for name in held}, downloaded / shard)
+    weight_map = {name: shard for shard, held in shards.items() for name in held}
+    (downloaded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    model = load_model(downloaded, Path(__file__).resolve().parents[2] / "specs" / "llama_tiny.toml")
+    for name, weight in model.host_tensors().items():
+        bf16 = torch.from_numpy(dense[name]).to(torch.bfloat16).to(torch.float32).numpy()
+        assert same_bits(weight, bf16), name
