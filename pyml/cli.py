@@ -239,6 +239,27 @@ def import_gguf(
     print(f"wrote {written} (its weights: source.gguf, {how} {Path(path).resolve()})")
 
 
+@app.command("import-hf")
+@user_errors
+def import_hf(
+    folder: Annotated[Path, typer.Argument(
+        help="A Hugging Face model folder as downloaded: config.json (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM or Gemma3ForCausalLM), tokenizer.json, and model.safetensors or its shards with their index, in bf16, f16 or f32.")],
+    out: Annotated[Path, typer.Option(help="Folder to write the model into, replacing a model folder there.")],
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace --out even when it is not a model folder.")] = False,
+    copy: Annotated[bool, typer.Option("--copy", help="Copy the weight files into the folder instead of linking to them, for a folder that must outlive FOLDER being moved or deleted.")] = False,
+) -> None:
+    """Make the folder --out a model folder of a Hugging Face one, its weights kept as they were
+    downloaded (no dtype change): model.safetensors, or the index and its shards, symbolic links
+    to FOLDER's (or with --copy copies); config.json, the tokenizer, the chat template if it has
+    one, and spec.toml, the pyml spec config.json describes (named after --out). FOLDER itself
+    works as --model or --init without this: its spec is made from config.json each time."""
+    from pyml.formats.hf_import import import_hf as run_import
+
+    written = run_import(folder, out, overwrite=overwrite, copy=copy)
+    how = "copies of" if copy else "links to"
+    print(f"wrote {written} (its weights: {how} the safetensors files of {Path(folder).resolve()})")
+
+
 @app.command("export-gguf")
 @user_errors
 def export_gguf(

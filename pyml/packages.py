@@ -134,16 +134,32 @@ def cached_package(spec, text: str, cache: Path | None = None) -> tuple[Path, Mo
 
 
 def spec_file(source: Path) -> Path:
-    """The spec file `source` names: the file itself, or a model folder's spec.toml."""
+    """The spec file `source` names: the file itself, a model folder's spec.toml, or for a
+    Hugging Face folder as downloaded (config.json, no spec.toml) the spec made from its config
+    (`pyml.formats.hf_import`), generated into the cache, whose entry holds it."""
     source = Path(source)
     if source.is_dir():
-        if not (source / SPEC_FILE).is_file():
-            raise PymlError(f"{source} holds no {SPEC_FILE}: give a spec file, or a model folder "
-                            "written by pyml")
-        return source / SPEC_FILE
+        if (source / SPEC_FILE).is_file():
+            return source / SPEC_FILE
+        if (source / "config.json").is_file():
+            return config_spec_file(source)
+        raise PymlError(f"{source} holds neither {SPEC_FILE} nor config.json: give a spec file, a "
+                        "model folder written by pyml, or a Hugging Face model folder")
     if not source.is_file():
         raise PymlError(f"{source}: no such spec file or model folder")
     return source
+
+
+def config_spec_file(folder: Path, cache: Path | None = None) -> Path:
+    """The spec file of the Hugging Face `folder`'s config.json, in its cache entry (named after
+    the folder: the same folder always gets the same entry)."""
+    from pyml.formats.hf_import import folder_spec_text
+    from pyml.spec import parse_spec
+
+    text = folder_spec_text(folder)
+    spec = parse_spec(tomllib.loads(text), f"{Path(folder) / 'config.json'}")
+    entry, _ = cached_package(spec, text, cache)
+    return entry / "specs" / f"{spec.name}.toml"
 
 
 def package_for(source: Path) -> ModuleType:

@@ -1,6 +1,7 @@
 """A model folder's chat template: conversations rendered to text as transformers renders them.
 
-The template is the Jinja source in tokenizer_config.json (`chat_template`), rendered as
+The template is the Jinja source in tokenizer_config.json (`chat_template`), or in
+chat_template.jinja beside it where that has none (transformers 5 saves it there), rendered as
 transformers' `apply_chat_template` renders it: a sandboxed environment with trim_blocks and
 lstrip_blocks, the special tokens (`bos_token`, `eos_token`) as variables, and
 `raise_exception` for the template's own checks. The text is then tokenised without adding
@@ -36,6 +37,13 @@ class ChatTemplate:
         except (OSError, ValueError) as error:
             raise PymlError(f"{path}: cannot read the tokenizer config ({error})") from None
         source = config.get("chat_template")
+        jinja = Path(model_dir) / "chat_template.jinja"
+        if not isinstance(source, str) and jinja.is_file():
+            # where transformers 5 saves it (and newer Hub folders keep it), beside the config
+            try:
+                source = jinja.read_text(encoding="utf-8")
+            except (OSError, ValueError) as error:
+                raise PymlError(f"{jinja}: cannot read the chat template ({error})") from None
         if not isinstance(source, str) or not source:
             return None
         special = {key: config[key] for key in ("bos_token", "eos_token") if isinstance(config.get(key), str)}

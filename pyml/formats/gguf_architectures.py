@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from pyml.errors import PymlError
 from pyml.formats.gguf_read import GGUFFile
-from pyml.formats.hf_config import hf_rope_scaling
+from pyml.formats.hf_config import hf_rope_scaling, longrope_default_attention_factor
 from pyml.formats.quant import GGMLType
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
@@ -167,6 +168,15 @@ class Llama:
     def __init__(self, gguf: GGUFFile):
         self.path = gguf.path
         self.dims = self.read_dims(Metadata(gguf, self.name), gguf)
+
+    @classmethod
+    def of_dims(cls, dims: LlamaDims, path: Path) -> Llama:
+        """The architecture of dims read from elsewhere than a GGUF (a Hugging Face config.json at
+        `path`, `pyml.formats.hf_import`), so that its tensors and spec are the ones an import of
+        the same model's GGUF finds."""
+        architecture = cls.__new__(cls)
+        architecture.path, architecture.dims = path, dims
+        return architecture
 
     def read_dims(self, meta: Metadata, gguf: GGUFFile) -> LlamaDims:
         return LlamaDims(**self.common_dims(meta, gguf))
@@ -731,13 +741,6 @@ def llama3_scaling_of(factors: np.ndarray, head_dim: int, theta: float, meta: Me
             return scaling
     raise meta.fail(f"{ROPE_FACTORS} is not Llama 3's RoPE scaling (no factor, band and "
                     "original context length give its factors)")
-
-
-def longrope_default_attention_factor(context: int, original: int) -> float:
-    """LongRoPE's attention factor for a model of `context` positions trained on `original`, as
-    transformers' _compute_longrope_parameters and llama.cpp's converter compute it."""
-    scale = context / original
-    return math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
 
 
 def longrope_scaling_of(gguf: GGUFFile, meta: Metadata, rope_dims: int, context: int,

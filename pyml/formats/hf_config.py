@@ -163,21 +163,92 @@ def hf_rope_scaling(scaling: dict) -> dict:
     return {"rope_type": scaling["type"]} | {key: value for key, value in scaling.items() if key != "type"}
 
 
+# What transformers' config class of each model_type (5.x) takes for a field that config.json
+# leaves out, for the fields a spec determines; a head_dim of None is hidden_size // heads.
+HF_DEFAULTS = {
+    "llama": {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "head_dim": None,
+              "rope_theta": 10000.0, "tie_word_embeddings": False},
+    "mistral": {"attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "head_dim": None,
+                "rope_theta": 10000.0, "tie_word_embeddings": False, "sliding_window": 4096},
+    "qwen2": {"hidden_act": "silu", "head_dim": None, "rope_theta": 10000.0,
+              "tie_word_embeddings": False, "use_sliding_window": False},
+    "qwen3": {"attention_bias": False, "hidden_act": "silu", "head_dim": 128, "rope_theta": 10000.0,
+              "tie_word_embeddings": False, "use_sliding_window": False},
+    "phi3": {"hidden_act": "silu", "head_dim": None, "rope_theta": 10000.0,
+             "tie_word_embeddings": False, "partial_rotary_factor": 1.0, "sliding_window": None,
+             "original_max_position_embeddings": 4096},
+    "gemma3_text": {"hidden_activation": "gelu_pytorch_tanh", "head_dim": 256, "rope_theta": 1e6,
+                    "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 256,
+                    "sliding_window": 4096, "sliding_window_pattern": 6, "attention_bias": False,
+                    "final_logit_softcapping": None, "attn_logit_softcapping": None,
+                    "tie_word_embeddings": True},
+}
+# model_types whose model is another's block under its own name: Mistral's is Llama's
+SAME_BLOCK_AS = {"mistral": "llama"}
+
+
 def with_rope_bases(config: dict) -> dict:
-    """`config` with `rope_theta`, `rope_scaling` (and Gemma's `rope_local_base_freq`) as
-    import-gguf writes them, also where transformers 5 saved them in `rope_parameters` instead."""
+    """`config` with `rope_theta`, `rope_scaling` (and Gemma's `rope_local_base_freq`, Phi-3's
+    `partial_rotary_factor`) as import-gguf writes them, also where transformers 5 saved them in
+    `rope_parameters` instead."""
     parameters = config.get("rope_parameters")
     if not isinstance(parameters, dict):
         return config
     if "rope_theta" in parameters:  # one base for every layer (Llama)
-        bases = {"rope_theta": parameters["rope_theta"]}
+        bases = {"rope_theta": parameters["rope_theta"],
+                 "partial_rotary_factor": parameters.get("partial_rotary_factor")}
         if parameters.get("rope_type", "default") != "default":
-            bases["rope_scaling"] = {key: value for key, value in parameters.items() if key != "rope_theta"}
+            bases["rope_scaling"] = {key: value for key, value in parameters.items()
+                                     if key not in ("rope_theta", "partial_rotary_factor")}
     else:  # a base per layer type (Gemma 3)
         per_type = {kind: value for kind, value in parameters.items() if isinstance(value, dict)}
         bases = {"rope_theta": per_type.get("full_attention", {}).get("rope_theta"),
                  "rope_local_base_freq": per_type.get("sliding_attention", {}).get("rope_theta")}
-    return config | {key: value for key, value in bases.items() if config.get(key) is None}
+    return config | {key: value for key, value in bases.items()
+                     if value is not None and config.get(key) is None}
+
+
+def config_as_read(config: dict) -> dict:
+    """config.json as transformers reads it, in the keys import-gguf writes: the RoPE bases out of
+    `rope_parameters` (`with_rope_bases`), `rope_scaling` with `rope_type` (older files say
+    `type`; "default" is none) and LongRoPE's original context and attention factor filled in as
+    transformers computes them, Gemma 3's `layer_types` from its `sliding_window_pattern`, and
+    the defaults of HF_DEFAULTS where the file leaves a field out."""
+    config = with_rope_bases(config)
+    defaults = HF_DEFAULTS.get(config.get("model_type"), {})
+    config = {key: value for key, value in defaults.items() if key not in config} | config
+    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    if config.get("head_dim") is None and type(hidden) is int and type(heads) is int and heads > 0:
+        config["head_dim"] = hidden // heads  # Qwen2Config keeps no head_dim, nor do older files
+    if config.get("num_key_value_heads") is None and heads is not None:
+        config["num_key_value_heads"] = heads
+    scaling = config.get("rope_scaling")
+    if isinstance(scaling, dict):
+        scaling = {("rope_type" if key == "type" else key): value for key, value in scaling.items()}
+        if scaling.get("rope_type") == "default":
+            scaling = None
+        elif scaling.get("rope_type") == "longrope":
+            original = scaling.get("original_max_position_embeddings",
+                                   config.get("original_max_position_embeddings"))
+            context = config.get("max_position_embeddings")
+            scaling["original_max_position_embeddings"] = original
+            if scaling.get("attention_factor") is None and type(original) is int and type(context) is int:
+                scaling["attention_factor"] = longrope_default_attention_factor(context, original)
+        config["rope_scaling"] = scaling
+    pattern = config.get("sliding_window_pattern")
+    layers = config.get("num_hidden_layers")
+    if config.get("model_type") == "gemma3_text" and config.get("layer_types") is None and \
+            type(pattern) is int and pattern > 0 and type(layers) is int:
+        config["layer_types"] = ["sliding_attention" if (layer + 1) % pattern else "full_attention"
+                                 for layer in range(layers)]
+    return config
+
+
+def longrope_default_attention_factor(context: int, original: int) -> float:
+    """LongRoPE's attention factor for a model of `context` positions trained on `original`, as
+    transformers' _compute_longrope_parameters and llama.cpp's converter compute it."""
+    scale = context / original
+    return math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
 
 
 def same(ours: object, theirs: object) -> bool:
@@ -191,14 +262,14 @@ def config_mismatches(spec: DecoderModel, config: dict) -> list[str]:
     """How a Hugging Face config.json disagrees with the spec, one entry per field; empty when it
     describes the spec's model."""
     expected, not_described = described_config(spec)
-    config = with_rope_bases(config)
-    if config.get("head_dim") is None and isinstance(config.get("hidden_size"), int) and isinstance(
-            config.get("num_attention_heads"), int) and config["num_attention_heads"] > 0:
-        # Qwen2Config keeps no head_dim; its models then split hidden_size over the heads
-        config = config | {"head_dim": config["hidden_size"] // config["num_attention_heads"]}
-    if expected["model_type"] != config.get("model_type"):
+    config = config_as_read(config)
+    model_type = config.get("model_type")
+    if model_type in SAME_BLOCK_AS and SAME_BLOCK_AS[model_type] == expected["model_type"]:
+        # Mistral's config describes a Llama with its own name, and no window to be the same
+        expected = expected | {"model_type": model_type, "sliding_window": None}
+    if expected["model_type"] != model_type:
         family = repr(expected["model_type"]) if expected["model_type"] else "neither Llama nor Gemma 3"
-        return [f"model_type is {config.get('model_type')!r} in config.json but the spec is {family}"]
+        return [f"model_type is {model_type!r} in config.json but the spec is {family}"]
     if not_described:
         return [f"config.json cannot describe the spec's {', '.join(not_described)}"]
     return [f"{key} is {config.get(key)!r} in config.json but {value!r} in the spec"

@@ -1,8 +1,9 @@
 """A model folder: the weights and what a reader needs beside them to run the model.
 
-`pyml import-gguf` writes one, every training checkpoint is one, and a Hugging Face model folder as
-downloaded is one given a spec: `pyml generate --model`, `pyml export-gguf`, `pyml train --init`
-and transformers' `from_pretrained` read it. It holds
+`pyml import-gguf` and `pyml import-hf` write one, every training checkpoint is one, and a Hugging
+Face model folder as downloaded is one without spec.toml, whose spec is made from its config.json
+(`pyml.formats.hf_import`): `pyml generate --model`, `pyml export-gguf`, `pyml train --init` and
+transformers' `from_pretrained` read it. It holds
 
     the weights, in the form they came (`pyml.formats.stored_tensors` reads them, by memory map):
       source.gguf            an imported GGUF: a symbolic link to the file, or a copy of it
@@ -11,7 +12,8 @@ and transformers' `from_pretrained` read it. It holds
                              a downloaded model's, bf16, f16 or f32)
       model.safetensors.index.json and its shards, model-0000N-of-0000M.safetensors, as Hugging
                              Face shards a large model
-    spec.toml                the pyml spec whose generated package runs the weights
+    spec.toml                the pyml spec whose generated package runs the weights (absent
+                             from a downloaded folder)
     config.json              the Hugging Face config (LlamaForCausalLM, Gemma3ForCausalLM, ...)
     generation_config.json   the special token ids
     tokenizer.json, tokenizer_config.json, chat_template.jinja (when the model has one)

@@ -1,7 +1,10 @@
 """Text generation with a generated decoder package and a KV cache.
 
-The model folder is what `pyml import-gguf` writes (model.safetensors, config.json, tokenizer.json,
-tokenizer_config.json, generation_config.json, spec.toml). Its spec.toml, unless a spec is given,
+The model folder is what `pyml import-gguf` or `pyml import-hf` writes, a training checkpoint, or
+a Hugging Face folder as downloaded (`pyml.formats.model_folder`): the weights as stored
+(source.gguf, model.safetensors, or shards with their index), config.json, tokenizer.json,
+tokenizer_config.json, generation_config.json, and spec.toml, which a downloaded folder lacks: its
+spec is then made from config.json (`pyml.formats.hf_import`). The spec, unless one is given,
 picks the generated package (`pyml.packages.package_for`: generated into pyml's cache the first
 time); config.json must describe that spec (`pyml.formats.hf_config`): a mismatch is reported by
 field before any weight is read.
@@ -24,7 +27,7 @@ from pyml.errors import PymlError
 from pyml.formats.chat_template import ChatTemplate
 from pyml.formats.hf_config import config_mismatches
 from pyml.formats.model_folder import SPEC_FILE, is_adapter_folder
-from pyml.packages import package_for
+from pyml.packages import package_for, spec_file
 from pyml.spec import DecoderModel, load_spec
 
 
@@ -55,11 +58,13 @@ def existing_folder(model_dir: Path) -> Path:
 
 
 def folder_spec_path(model_dir: Path) -> Path:
-    path = existing_folder(model_dir) / SPEC_FILE
-    if not path.is_file():
-        raise PymlError(f"{path}: missing (`pyml import-gguf` writes one); give the model's spec "
-                        "with --spec")
-    return path
+    """The spec of the model in `model_dir`: its spec.toml, or for a Hugging Face folder as
+    downloaded the spec made from its config.json, in the cache (`pyml.packages.spec_file`)."""
+    folder = existing_folder(model_dir)
+    if not (folder / SPEC_FILE).is_file() and not (folder / "config.json").is_file():
+        raise PymlError(f"{folder / SPEC_FILE}: missing, and no config.json to make it from "
+                        "(`pyml import-gguf` writes both); give the model's spec with --spec")
+    return spec_file(folder)
 
 
 def load_decoder_spec(spec_path: Path) -> DecoderModel:
@@ -71,7 +76,7 @@ def load_decoder_spec(spec_path: Path) -> DecoderModel:
 
 def folder_package(model_dir: Path, spec_path: Path | None = None):
     """The generated package that runs the model of `model_dir`: its spec's (`spec_path`, default
-    the folder's spec.toml), once config.json is checked to describe that spec."""
+    `folder_spec_path`'s), once config.json is checked to describe that spec."""
     model_dir = existing_folder(model_dir)
     if is_adapter_folder(model_dir):
         raise PymlError(f"{model_dir} holds LoRA adapters, not a model: give its base as --model "

@@ -216,11 +216,15 @@ def merge_lora(base: Path, adapter: Path, out: Path, overwrite: bool = False) ->
     for folder, what in ((base, "BASE"), (adapter, "ADAPTER")):
         if not folder.is_dir():
             raise PymlError(f"{folder}: not a folder ({what})")
-    if not (base / SPEC_FILE).is_file():
+    if not (base / SPEC_FILE).is_file() and not (base / "config.json").is_file():
         raise PymlError(f"{base / SPEC_FILE}: missing; BASE must be a model folder from "
-                        "`pyml import-gguf` or a full fine-tune's checkpoint")
-    if "lora" in tomllib.loads((base / SPEC_FILE).read_text(encoding="utf-8")):
-        raise PymlError(f"{base / SPEC_FILE} has a [lora] table: BASE must be a model "
+                        "`pyml import-gguf` or `pyml import-hf`, a Hugging Face model folder or "
+                        "a full fine-tune's checkpoint")
+    from pyml.packages import spec_file
+
+    base_spec = spec_file(base)  # a Hugging Face folder's is made from its config.json
+    if "lora" in tomllib.loads(base_spec.read_text(encoding="utf-8")):
+        raise PymlError(f"{base_spec} has a [lora] table: BASE must be a model "
                         "without adapters")
     if out.resolve() in (base.resolve(), adapter.resolve()):
         raise PymlError(f"--out {out} is {'BASE' if out.resolve() == base.resolve() else 'ADAPTER'}: "
@@ -230,7 +234,8 @@ def merge_lora(base: Path, adapter: Path, out: Path, overwrite: bool = False) ->
     try:
         with written_folder(out) as folder:
             write_safetensors(folder / MODEL_FILE, tensors)
-            for name in (SPEC_FILE, *DESCRIPTION_FILES):
+            (folder / SPEC_FILE).write_bytes(base_spec.read_bytes())
+            for name in DESCRIPTION_FILES:
                 if (base / name).is_file():
                     (folder / name).write_bytes((base / name).read_bytes())
     except OSError as error:

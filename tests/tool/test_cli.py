@@ -37,6 +37,7 @@ def test_version_and_short_help():
     (["init"], "init [OPTIONS] FOLDER"),
     (["gen"], "gen [OPTIONS] SPECS..."),
     (["import-gguf"], "import-gguf [OPTIONS] [PATH]"),
+    (["import-hf"], "import-hf [OPTIONS] FOLDER"),
     (["merge-lora"], "merge-lora [OPTIONS] BASE ADAPTER"),
     (["train"], "train [OPTIONS]"),
     (["cache", "list"], "cache list [OPTIONS]"),
