@@ -31,6 +31,7 @@ from pyml.package.decode_cpu import (
     Q4_RUNS_OF_16_X8,
     Q8_X8,
     ROW_KIND_OF,
+    layer_kinds_of,
     stored_weight,
 )
 from pyml.package.quantized_dot import QDOT_GROUP_ROWS
@@ -228,7 +229,7 @@ def with_int8_activations(weight: tuple, columns: int) -> tuple:
                                     "value (out of its range): leave out --activations q8_0")
                 groups, order = groups.view(np.float16), halves
             groups[:, :order.shape[1]] = order
-    return (new_kinds, addresses, packed, scale, offset)
+    return (new_kinds, addresses, layer_kinds_of(new_kinds), packed, scale, offset)
 
 
 def quantized_row_bytes(ggml_type: GGMLType, columns: int) -> int:

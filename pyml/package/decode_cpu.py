@@ -1,46 +1,18 @@
 """What every generated fused decode step (gen/<name>/decode_cpu.py) calls besides its package's own
-kernels: the linear map of each sequence's row on weights in any kept format, and the thread
-count of the pool's next parallel loops (the step wakes the pool for its matrix-vector products
-and attention only).
+kernels: the linear map of each sequence's row and the embedding, on weight rows read where they
+are stored, and the thread count of the pool's next parallel loops (the step wakes the pool for
+its matrix-vector products and attention only).
 
-A linear op's weights arrive as one tuple, the same types for every format, so that one compiled
-step serves any mix of formats: (kinds, packed, high, scale, offset, dense), `kinds` the kind of
-each layer (int64) and each weight array stacked by layer (layers, rows, ...), C-contiguous; a
-model-level weight (the tied LM head) has one layer. The kinds Q4_RUNS_OF_16_X8 and Q8_X8 (`pyml
-generate --activations q8_0`) round the op's input to int8 first
-(quantized_dot.round_activations_q8), and multiply it by Q4_0/Q4_1 and Q8_0 weights repacked rows
-by 16 (quantized_dot.py gives the layout; rows padded to a multiple of 16). Layers of different
-kinds share a stack when their packed values have one width (Q4_K and Q6_K: in/2): each array is
-as wide as its widest layer, and a kernel reads a row of scales or high bits from its start, so
-the padding past a layer's own width is never read.
-
-    kind             packed (uint8)             high (uint8)   scale, offset (float32)   dense
-    Q4_RUNS_OF_16    Q4_0 / Q4_1 nibbles, in/2  -              per 32 values             -
-    Q4_RUNS_OF_32    Q4_K nibbles, in/2         -              per 32 values             -
-    Q5               Q5_0 low nibbles, in/2     fifth bits     per 32 values             -
-    Q8               Q8_0 int8 bytes, in        -              scale per 32              -
-    Q4_RUNS_OF_16_X8 Q4_0 / Q4_1, rows by 16     -              per 32, rows by 16, f16   -
-    Q8_X8            Q8_0, rows by 16           -              per 32, rows by 16, f16   -
-    Q6               Q6_K low nibbles, in/2     2-bit highs    scale per 16              -
-    DENSE            -                          -              -                         float32, in
-
-(pyml/formats/gguf_quantized.py describes the layouts; "-" is an array of width 0; "f16": float16
-values in pairs in the float32 array's bytes, quantized_dot.py says where.) Q8_0's int8
-values travel as their bytes: q8_row_dot loads them as signed 8-bit integers whatever the array's
-dtype says. The row dot products are pyml/package/quantized_dot.py's, so a quantized linear map
-is the same function here as in the quantized linear kernels (Lean law linear_input_adjoint's
-forward, matVec W v, W the block dequantization of the stored values).
-
-Rows read where they are stored (`linear_stored`, `embedding_stored`): an op's weights arrive as
-(kinds, addresses, packed, scale, offset): `kinds` (layers, rows) uint8, the kind of each output
-row, and `addresses` (layers, rows) uint64, the absolute address of each row's first byte, in a
-memory map of the model's file (a GGUF, a safetensors file) that the caller keeps open; the
-kernels read each row there, in the layout the file stores it (pyml/formats/quant.py), so no
-weight is copied. Rows of one layer may differ in kind (a Q4_K_M file's Q4_K and Q6_K rows, float
-rows beside quantized ones) and come in any order. `packed`, `scale` and `offset` hold the layers
-on int8 activations (all their rows Q4_RUNS_OF_16_X8 or Q8_X8; the kernel looks at the first),
-repacked rows by 16 as the split form's arrays hold them for those kinds, (layers, rows padded to
-16, width); width 0 where no layer is.
+An op's weights arrive as one tuple, the same types for every format, so that one compiled step
+serves any mix of formats: (kinds, addresses, layer_kinds, packed, scale, offset). `kinds` (layers,
+rows) uint8 is the kind of each output row and `addresses` (layers, rows) uint64 the absolute
+address of its first byte, in a memory map of the model's file (a GGUF, a safetensors file) that
+the caller keeps open; the kernels read each row there, in the layout the file stores it
+(pyml/formats/quant.py), so no weight is copied. Rows of one layer may differ in kind (a Q4_K_M
+file's Q4_K and Q6_K rows, float rows beside quantized ones) and come in any order. `layer_kinds`
+(layers,) uint8 is each layer's kind: its rows' one kind, or MIXED; the kernels pick a layer's
+loop by it once, so that a layer of one kind runs a loop of that kind's code alone. A model-level
+weight (the tied LM head) has one layer.
 
     kind              a row's bytes (consecutive blocks)                        value
     ROW_F32, _F16,    little-endian floats                                      as stored
@@ -57,12 +29,19 @@ repacked rows by 16 as the split form's arrays hold them for those kinds, (layer
     Q4_RUNS_OF_16_X8  Q4_0 / Q4_1 rows by 16 in packed, scale, offset           int8 activations
     Q8_X8             Q8_0 rows by 16 in packed, scale                          int8 activations
 
-The quantized rows' products are the split form's bits (quantized_dot.py's "rows read where they
-are stored" says why), so switching forms changes no token.
+The int8-activation kinds (`pyml generate --activations q8_0`; a layer's rows all of one of them)
+round the op's input to int8 first (quantized_dot.round_activations_q8), and multiply it by
+Q4_0/Q4_1 or Q8_0 weights repacked rows by 16 (pyml.generate.stored_step.with_int8_activations):
+`packed` (uint8), `scale` and `offset` (float32 columns holding float16 pairs) are (layers, rows
+padded to a multiple of 16, width), quantized_dot.py gives the order; width 0 where no layer is
+repacked, and a layer's arrays are read from the start of its rows, so the padding past a layer's
+own width is never read. Each dot product is pyml/package/quantized_dot.py's, so a linear map is
+the same function here as the exact model's (Lean law linear_input_adjoint's forward, matVec W v,
+W the block dequantization of the stored values).
 
 Numba's cache does not notice when a function a cached kernel calls changes in another file, so the
 generated decode modules carry this module's and quantized_dot's hash in their first line (as for
-vector_math). For the same reason `linear_row`, `linear_stored` and `embedding_stored`, which call
+vector_math). For the same reason `linear_stored` and `embedding_stored`, which call
 quantized_dot's intrinsics, are not cached themselves: they are compiled into each generated step,
 whose cache that hash keeps fresh.
 """
@@ -78,23 +57,12 @@ from pyml.formats.quant import GGMLType
 from pyml.package.quantized_dot import (
     QDOT_GROUP_ROWS,
     QDOT_INT8_SAMPLES,
-    QDOT_SAMPLES,
     q4_q8_rows_by_16,
     q4_q8_rows_by_16_x4,
     q4_q8_rows_by_16_x8,
-    q4_row_dot_runs_of_16,
-    q4_row_dot_runs_of_32,
-    q4_rows_dot_runs_of_16,
-    q4_rows_dot_runs_of_32,
-    q5_row_dot,
-    q5_rows_dot,
-    q6_row_dot,
-    q6_rows_dot,
     q8_q8_rows_by_16,
     q8_q8_rows_by_16_x4,
     q8_q8_rows_by_16_x8,
-    q8_row_dot,
-    q8_rows_dot,
     round_activations_q8,
     stored_bf16_values,
     stored_f16_values,
@@ -106,15 +74,15 @@ from pyml.package.quantized_dot import (
     stored_q5_0_values,
     stored_q6_k_values,
     stored_q8_0_values,
-    stored_row_dots,
+    stored_row_products as stored_row_products_of,
     stored_row_values,
 )
 
-Q4_RUNS_OF_16, Q4_RUNS_OF_32, Q5, Q8, Q6, DENSE, Q4_RUNS_OF_16_X8, Q8_X8 = range(8)
 FAST = {"contract", "reassoc"}
 
-# the kind of each row read where it is stored (uint8 in a weight's `kinds`), numbered after the
-# kinds above: the int8-activation kinds Q4_RUNS_OF_16_X8 and Q8_X8 are kinds of both forms
+# the kind of each row (uint8 in a weight's `kinds`): the rows repacked for int8 activations, and
+# the rows read where they are stored
+Q4_RUNS_OF_16_X8, Q8_X8 = 6, 7
 ROW_Q8_0, ROW_Q4_0, ROW_Q4_1, ROW_Q5_0, ROW_Q4_K, ROW_Q6_K, ROW_F32, ROW_F16, ROW_BF16, ROW_F64 = range(8, 18)
 ROW_KIND_OF = {GGMLType.F32: ROW_F32, GGMLType.F16: ROW_F16, GGMLType.BF16: ROW_BF16,
                GGMLType.F64: ROW_F64, GGMLType.Q8_0: ROW_Q8_0, GGMLType.Q4_0: ROW_Q4_0,
@@ -126,8 +94,9 @@ STORED_ROW_LOOPS = {ROW_F32: stored_f32_values, ROW_F16: stored_f16_values, ROW_
                     ROW_Q8_0: stored_q8_0_values, ROW_Q4_0: stored_q4_0_values,
                     ROW_Q4_1: stored_q4_1_values, ROW_Q5_0: stored_q5_0_values,
                     ROW_Q4_K: stored_q4_k_values, ROW_Q6_K: stored_q6_k_values}
-stored_row_dot = stored_row_dots(STORED_ROW_LOOPS, 1)
-stored_rows_dot = stored_row_dots(STORED_ROW_LOOPS, QDOT_SAMPLES)
+# a layer's kind (`layer_kinds`) where its rows are not all of one kind
+MIXED = 255
+stored_row_products = stored_row_products_of(STORED_ROW_LOOPS)
 stored_row_dequantized = stored_row_values(STORED_ROW_LOOPS)
 
 # The thread pool's symbols (get_num_threads, set_num_threads) are registered with LLVM when it
@@ -169,46 +138,21 @@ def use_pool_threads(typingctx, count):
 
 
 @njit(parallel=True, fastmath=FAST)
-def linear_row(weight, layer, x, y):
-    """y[b] = W x[b] (+ nothing: a bias is added by the caller) for each row b, W layer `layer` of
-    `weight`; x is (B, in), y (B, out) float32, one row per sequence of the step's batch. One
-    output row per iteration of the parallel loop, for every sequence at once: each weight row is
-    read from memory once per step, and dequantized once per QDOT_SAMPLES sequences, whatever B
-    is; each y[b, row] is summed in the same order whether its sequence is taken alone or with
-    others (quantized_dot.QdotSamples), so a sequence's result does not depend on its batch. The
-    int8-activation kinds round every row of x on the calling thread, then take 16 output rows per
-    iteration, their weights unpacked once per 8 sequences (then 4, then 1), each sequence's sums
-    its own likewise. No BLAS, so no BLAS thread wakes up."""
-    kinds, packed, high, scale, offset, dense = weight
-    kind = kinds[layer]
-    packed, high, scale, offset, dense = packed[layer], high[layer], scale[layer], offset[layer], dense[layer]
+def linear_stored(weight, layer, x, y):
+    """y[b] = W x[b] for each row b, W layer `layer` of `weight` in the stored form (kinds,
+    addresses, layer_kinds, packed, scale, offset; the module's docstring); x is (B, in), y (B,
+    out), float32 (ROW_F64 rows: float64), C-contiguous. One output row per iteration of the
+    parallel loop, read from memory once per step and decoded once per QDOT_SAMPLES sequences,
+    each y[b, row] summed in the same order whatever the batch. The layer's kind picks the loop
+    once: each kind has a parallel loop of its own that runs only its code (a MIXED layer's loop
+    picks each row's). The int8-activation kinds round every row of x on the calling thread, then
+    take 16 output rows per iteration, their weights unpacked once per 8 sequences (then 4, then
+    1), each sequence's sums its own likewise. No BLAS, so no BLAS thread wakes up."""
+    kinds, addresses, layer_kinds, packed, scale, offset = weight
+    kind, row_kinds, row_addresses = layer_kinds[layer], kinds[layer], addresses[layer]
     rows, batch = y.shape[1], y.shape[0]
-    whole = batch - batch % QDOT_SAMPLES  # the rows of x taken QDOT_SAMPLES at a time
-    if kind == Q4_RUNS_OF_16:
-        for row in prange(rows):
-            for b in range(0, whole, QDOT_SAMPLES):
-                q4_rows_dot_runs_of_16(packed, scale, offset, x, row, b, y)
-            for b in range(whole, batch):
-                q4_row_dot_runs_of_16(packed, scale, offset, x, row, b, y)
-    elif kind == Q4_RUNS_OF_32:
-        for row in prange(rows):
-            for b in range(0, whole, QDOT_SAMPLES):
-                q4_rows_dot_runs_of_32(packed, scale, offset, x, row, b, y)
-            for b in range(whole, batch):
-                q4_row_dot_runs_of_32(packed, scale, offset, x, row, b, y)
-    elif kind == Q5:
-        for row in prange(rows):
-            for b in range(0, whole, QDOT_SAMPLES):
-                q5_rows_dot(packed, high, scale, offset, x, row, b, y)
-            for b in range(whole, batch):
-                q5_row_dot(packed, high, scale, offset, x, row, b, y)
-    elif kind == Q8:
-        for row in prange(rows):
-            for b in range(0, whole, QDOT_SAMPLES):
-                q8_rows_dot(packed, scale, x, row, b, y)
-            for b in range(whole, batch):
-                q8_row_dot(packed, scale, x, row, b, y)
-    elif kind == Q4_RUNS_OF_16_X8 or kind == Q8_X8:
+    if kind == Q4_RUNS_OF_16_X8 or kind == Q8_X8:
+        packed, scale, offset = packed[layer], scale[layer], offset[layer]
         columns = x.shape[1]
         x_values = np.empty((batch, columns), np.int8)
         x_scale = np.empty((batch, columns // 32), np.float32)
@@ -233,75 +177,54 @@ def linear_row(weight, layer, x, y):
                     q8_q8_rows_by_16_x4(packed, scale, x_values, x_scale, x_total, group, b, y)
                 for b in range(by_4, batch):
                     q8_q8_rows_by_16(packed, scale, x_values, x_scale, x_total, group, b, y)
-    elif kind == Q6:
+    # the kind is a constant in each call below: each loop holds that kind's code alone
+    elif kind == ROW_Q8_0:
         for row in prange(rows):
-            for b in range(0, whole, QDOT_SAMPLES):
-                q6_rows_dot(packed, high, scale, x, row, b, y)
-            for b in range(whole, batch):
-                q6_row_dot(packed, high, scale, x, row, b, y)
+            stored_row_products(ROW_Q8_0, row_addresses[row], x, row, y)
+    elif kind == ROW_Q4_0:
+        for row in prange(rows):
+            stored_row_products(ROW_Q4_0, row_addresses[row], x, row, y)
+    elif kind == ROW_Q4_1:
+        for row in prange(rows):
+            stored_row_products(ROW_Q4_1, row_addresses[row], x, row, y)
+    elif kind == ROW_Q5_0:
+        for row in prange(rows):
+            stored_row_products(ROW_Q5_0, row_addresses[row], x, row, y)
+    elif kind == ROW_Q4_K:
+        for row in prange(rows):
+            stored_row_products(ROW_Q4_K, row_addresses[row], x, row, y)
+    elif kind == ROW_Q6_K:
+        for row in prange(rows):
+            stored_row_products(ROW_Q6_K, row_addresses[row], x, row, y)
+    elif kind == ROW_F32:
+        for row in prange(rows):
+            stored_row_products(ROW_F32, row_addresses[row], x, row, y)
+    elif kind == ROW_F16:
+        for row in prange(rows):
+            stored_row_products(ROW_F16, row_addresses[row], x, row, y)
+    elif kind == ROW_BF16:
+        for row in prange(rows):
+            stored_row_products(ROW_BF16, row_addresses[row], x, row, y)
+    elif kind == ROW_F64:
+        for row in prange(rows):
+            float64_row_products(row_addresses[row], x, row, y)
     else:
         for row in prange(rows):
-            for b in range(batch):
-                total = np.float32(0.0)
-                for k in range(x.shape[1]):
-                    total += dense[row, k] * x[b, k]
-                y[b, row] = total
-
-
-@njit(parallel=True, fastmath=FAST)
-def linear_stored(weight, layer, x, y):
-    """y[b] = W x[b] for each row b, W layer `layer` of `weight` in the stored form (kinds,
-    addresses, packed, scale, offset; the module's docstring); x is (B, in), y (B, out), float32
-    (ROW_F64 rows: float64), C-contiguous. As `linear_row`: one output row per iteration of the
-    parallel loop, read from memory once per step and decoded once per QDOT_SAMPLES sequences,
-    each y[b, row] summed in the same order whatever the batch; each row by its own kind, at its
-    own address. A layer on int8 activations (its first row's kind Q4_RUNS_OF_16_X8 or
-    Q8_X8) runs on its repacked arrays as linear_row's Q4_RUNS_OF_16_X8 and Q8_X8 do."""
-    kinds, addresses, packed, scale, offset = weight
-    row_kinds, row_addresses = kinds[layer], addresses[layer]
-    rows, batch = y.shape[1], y.shape[0]
-    first_kind = row_kinds[0]
-    if first_kind == Q4_RUNS_OF_16_X8 or first_kind == Q8_X8:
-        packed, scale, offset = packed[layer], scale[layer], offset[layer]
-        columns = x.shape[1]
-        x_values = np.empty((batch, columns), np.int8)
-        x_scale = np.empty((batch, columns // 32), np.float32)
-        x_total = np.empty((batch, columns // 32), np.int32)
-        round_activations_q8(x, x_values, x_scale, x_total)
-        by_8 = batch - batch % QDOT_INT8_SAMPLES  # rows of x taken 8, then 4, then 1 at a time
-        by_4 = by_8 + (batch - by_8) // 4 * 4
-        groups = (rows + QDOT_GROUP_ROWS - 1) // QDOT_GROUP_ROWS
-        if first_kind == Q4_RUNS_OF_16_X8:
-            for group in prange(groups):
-                for b in range(0, by_8, 8):
-                    q4_q8_rows_by_16_x8(packed, scale, offset, x_values, x_scale, x_total, group, b, y)
-                for b in range(by_8, by_4, 4):
-                    q4_q8_rows_by_16_x4(packed, scale, offset, x_values, x_scale, x_total, group, b, y)
-                for b in range(by_4, batch):
-                    q4_q8_rows_by_16(packed, scale, offset, x_values, x_scale, x_total, group, b, y)
-        else:
-            for group in prange(groups):
-                for b in range(0, by_8, 8):
-                    q8_q8_rows_by_16_x8(packed, scale, x_values, x_scale, x_total, group, b, y)
-                for b in range(by_8, by_4, 4):
-                    q8_q8_rows_by_16_x4(packed, scale, x_values, x_scale, x_total, group, b, y)
-                for b in range(by_4, batch):
-                    q8_q8_rows_by_16(packed, scale, x_values, x_scale, x_total, group, b, y)
-    else:
-        whole = batch - batch % QDOT_SAMPLES  # the rows of x taken QDOT_SAMPLES at a time
-        for row in prange(rows):
-            kind, address = row_kinds[row], row_addresses[row]
-            if kind == ROW_F64:
-                for b in range(batch):
-                    total = 0.0
-                    for k in range(x.shape[1]):
-                        total += stored_float64(address, k) * x[b, k]
-                    y[b, row] = total
+            if row_kinds[row] == ROW_F64:
+                float64_row_products(row_addresses[row], x, row, y)
             else:
-                for b in range(0, whole, QDOT_SAMPLES):
-                    stored_rows_dot(kind, address, x, row, b, y)
-                for b in range(whole, batch):
-                    stored_row_dot(kind, address, x, row, b, y)
+                stored_row_products(row_kinds[row], row_addresses[row], x, row, y)
+
+
+@njit(fastmath=FAST)
+def float64_row_products(address, x, row, y):
+    """y[b, row] = the ROW_F64 row at `address` times x[b], for every row b (scalar code: only the
+    float64 models of the exact tests have such rows)."""
+    for b in range(x.shape[0]):
+        total = 0.0
+        for k in range(x.shape[1]):
+            total += stored_float64(address, k) * x[b, k]
+        y[b, row] = total
 
 
 @njit(parallel=True)
@@ -310,7 +233,9 @@ def embedding_stored(weight, ids, out, scale):
     ids (N,) int64, out (N, dim) C-contiguous, float32 or float64 (ROW_F64 rows: float64), scale in
     out's dtype. A quantized or float row's values are pyml.formats.quant.dequantize's float32 bits,
     converted to out's dtype, then multiplied by `scale` in that dtype (as embedding_forward_kernel
-    multiplies a float32 table's rows), so a scale of 1 leaves them as they are."""
+    multiplies a float32 table's rows), so a scale of 1 leaves them as they are. One row per
+    token: the row's kind is looked up per row (a table read one row per token gains nothing from
+    a loop of its own per kind)."""
     kinds, addresses = weight[0][0], weight[1][0]
     for n in range(ids.shape[0]):
         if ids[n] < 0 or ids[n] >= kinds.shape[0]:
@@ -329,20 +254,29 @@ def embedding_stored(weight, ids, out, scale):
                 out[n, d] *= scale
 
 
+def layer_kinds_of(kinds: np.ndarray) -> np.ndarray:
+    """The kind of each layer of `kinds` (layers, rows): its rows' one kind, or MIXED."""
+    uniform = np.all(kinds == kinds[:, :1], axis=1)
+    return np.where(uniform, kinds[:, 0], MIXED).astype(np.uint8)
+
+
 def stored_weight(kinds: np.ndarray, addresses: np.ndarray) -> tuple:
-    """The stored form (kinds, addresses, packed, scale, offset) of an op none of whose layers is
-    on int8 activations (the repacked arrays empty): kinds (layers, rows) of ROW_* kinds, addresses
-    (layers, rows) of each row's first byte (`row_addresses`). The kernels read the rows through
-    the addresses alone: the caller keeps the arrays (memory maps) holding them alive, and their
-    rows whole (each row's bytes its kind's whole blocks of x.shape[1] values), while it runs them."""
+    """The stored form (kinds, addresses, layer_kinds, packed, scale, offset) of an op none of
+    whose layers is on int8 activations (the repacked arrays empty): kinds (layers, rows) of ROW_*
+    kinds, addresses (layers, rows) of each row's first byte (`row_addresses`). The kernels read
+    the rows through the addresses alone: the caller keeps the arrays (memory maps) holding them
+    alive, and their rows whole (each row's bytes its kind's whole blocks of x.shape[1] values),
+    while it runs them."""
     kinds, addresses = np.ascontiguousarray(kinds, np.uint8), np.ascontiguousarray(addresses, np.uint64)
-    if kinds.ndim != 2 or kinds.shape != addresses.shape:
-        raise ValueError(f"kinds {kinds.shape} and addresses {addresses.shape} must be one (layers, rows) shape")
+    if kinds.ndim != 2 or kinds.shape != addresses.shape or not kinds.shape[1]:
+        raise ValueError(f"kinds {kinds.shape} and addresses {addresses.shape} must be one (layers, rows) "
+                         "shape, with rows")
     unknown = np.setdiff1d(kinds, list(STORED_ROW_LOOPS) + [ROW_F64])
     if unknown.size:
         raise ValueError(f"row kinds {unknown.tolist()} are not read where they are stored")
     empty = (kinds.shape[0], kinds.shape[1], 0)
-    return kinds, addresses, np.zeros(empty, np.uint8), np.zeros(empty, np.float32), np.zeros(empty, np.float32)
+    return (kinds, addresses, layer_kinds_of(kinds), np.zeros(empty, np.uint8), np.zeros(empty, np.float32),
+            np.zeros(empty, np.float32))
 
 
 def row_addresses(data: np.ndarray, rows: int) -> np.ndarray:

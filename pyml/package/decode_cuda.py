@@ -2,12 +2,23 @@
 kernels: the linear map of one row on weights in any kept format, the KV cache's slot of a
 position and the write into it, and a bias. It decodes one sequence per step.
 
-A linear op's weights are the CPU step's tuple (pyml/package/decode_cpu.py gives the kinds and the
-arrays) copied to the device by `device_weight`: (kinds, packed, high, scale, offset, dense), the
-kinds staying on the host, where `linear_row` reads the kind of a layer to pick the loop the
-kernel runs. The kinds that round the input to int8 (--activations q8_0) are CPU-only: the
-rounding buys a CPU its integer dot-product instructions, and a GPU reads the weights from memory
-fast enough without it.
+A linear op's weights are split arrays (pyml/generate/cuda_weights.py builds them) copied to the
+device by `device_weight`: (kinds, packed, high, scale, offset, dense), `kinds` the kind of each
+layer (int64), staying on the host, where `linear_row` reads the kind of a layer to pick the loop
+the kernel runs, and each array stacked by layer (layers, rows, ...), C-contiguous, as wide as its
+widest layer (Q4_K and Q6_K layers share a stack):
+
+    kind             packed (uint8)             high (uint8)   scale, offset (float32)   dense
+    Q4_RUNS_OF_16    Q4_0 / Q4_1 nibbles, in/2  -              per 32 values             -
+    Q4_RUNS_OF_32    Q4_K nibbles, in/2         -              per 32 values             -
+    Q5               Q5_0 low nibbles, in/2     fifth bits     per 32 values             -
+    Q8               Q8_0 int8 bytes, in        -              scale per 32              -
+    Q6               Q6_K low nibbles, in/2     2-bit highs    scale per 16              -
+    DENSE            -                          -              -                         float32, in
+
+(pyml/formats/gguf_quantized.py describes the layouts; "-" is an array of width 0.) The CPU step's
+int8 activations (--activations q8_0) have no kind here: the rounding buys a CPU its integer
+dot-product instructions, and a GPU reads the weights from memory fast enough without it.
 
 A row's products are summed by one warp: thread t takes the weights t, t + 32, ... of the row,
 dequantized as gguf does (pyml/package/quantized_cuda.py), so a warp reads consecutive bytes, and
@@ -21,9 +32,10 @@ import numpy as np
 from numba import cuda, njit
 
 from pyml.errors import PymlError
-from pyml.package.decode_cpu import DENSE, Q4_RUNS_OF_16, Q4_RUNS_OF_32, Q5, Q6, Q8
 from pyml.package.quantized_cuda import THREADS, block_sum, q4_weight, q5_weight, q6_weight, q8_weight
 
+# the kind of each layer of a weight (`kinds`), the table above
+Q4_RUNS_OF_16, Q4_RUNS_OF_32, Q5, Q8, Q6, DENSE = range(6)
 CUDA_KINDS = (Q4_RUNS_OF_16, Q4_RUNS_OF_32, Q5, Q8, Q6, DENSE)
 
 

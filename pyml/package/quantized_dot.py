@@ -1,6 +1,7 @@
-"""Dot products of one quantized weight row with one float32 row, for the fused decode step
-(decode_cpu.py), which imports them; and, for the decode step's --activations q8_0, the products
-of 16 repacked rows with int8-rounded activations (the section at the end).
+"""The dot products of the fused decode step (decode_cpu.py, which imports them): of one weight
+row, read where its file stores it, with float32 rows of x; the dequantization of such a row (the
+embedding); and, for the decode step's --activations q8_0, the products of 16 repacked rows with
+int8-rounded activations (the section at the end).
 
 Each is a numba intrinsic that writes its loop in LLVM vector IR. The same loop written as Python
 indexing stays scalar: numba widens every uint8 operation to int64, and LLVM then neither narrows
@@ -9,24 +10,13 @@ nor vectorizes it; the vector form ran 7x faster (2026-12-01, one core, a 1536x5
 whatever CPU it compiles for (one AVX-512 register holds 16 float32 lanes). The one target
 intrinsic, AVX-512 VNNI's vpdpbusd for the int8 products, is used only where the CPU has it.
 
-Each weight is dequantized as gguf's and llama.cpp's reference dequantizers do, value =
-q * scale + offset in float32 (q * scale is exact: a 4- to 8-bit integer times a scale with an
-11-bit float16 significand times a 6- or 8-bit integer), then multiplied by x and summed in
-float32, 16 lanes per partial sum and 4 partial sums, reduced at the end of the row. So on small
-integers (scale 1, offset 0) the result is exactly the exact model's dot product, and on real
-weights it is gguf's dequantization times x up to float32 summation order.
-
-Layouts (what pyml/formats/gguf_quantized.py keeps: the GGUF's packed bytes, the scales decoded):
-  q4: 4-bit values in runs of `run` bytes (Q4_0 and Q4_1: 16, Q4_K: 32). A run holds 2 * run
-      values: its low nibbles the first run of them, its high nibbles the next. A scale and an
-      offset per 32 values.
-  q5: Q5_0: the low four bits as q4's runs of 16, and per 32 values 4 bytes of fifth bits (bit j
-      of the little-endian 32-bit word: value j); value = (q - 16) * scale, as q * scale + offset
-      with offset = -16 * scale (both products exact, so their sum is (q - 16) * scale exactly).
-  q8: int8 values (Q8_0), a scale per 32.
-  q6: per 128 values (Q6_K), 64 bytes of low nibbles (values 0..63 in the low nibbles, 64..127 in
-      the high ones) and 32 bytes of 2-bit high parts (bits 2k, 2k+1 of byte i: value 32k + i);
-      q = low | high << 4, value = (q - 32) * scale, a scale per 16 values.
+Each weight is dequantized as gguf's and llama.cpp's reference dequantizers do, in float32 (every
+product of a stored integer and its block's scales is exact: a 4- to 8-bit integer times a scale
+with an 11-bit float16 significand times a 6- or 8-bit integer), then multiplied by x and summed
+in float32, 16 lanes per partial sum and 4 partial sums, reduced at the end of the row. So on
+small integers the result is exactly the exact model's dot product, and on real weights it is
+gguf's dequantization times x up to float32 summation order. decode_cpu.py's table gives the
+layouts of the rows; this module's section "int8 activations" the rows-by-16 one.
 
 Numba's cache does not notice when a function a cached kernel calls changes in another file, so the
 generated kernel modules carry this module's hash in their first line (as for vector_math).
@@ -82,10 +72,6 @@ def qdot_padded(builder, vector):
     zeros = ir.Constant(vector.type, [ir.Constant(vector.type.element, 0.0)] * lanes)
     mask = ir.Constant(qdot_vector_type(QDOT_I32, QDOT_LANES), list(range(lanes)) + [lanes] * (QDOT_LANES - lanes))
     return builder.shuffle_vector(vector, zeros, mask)
-
-
-def qdot_scalar(builder, base, index):
-    return builder.load(builder.gep(base, [index]))
 
 
 def qdot_row(context, builder, array_type, value, row):
@@ -152,168 +138,21 @@ class QdotSamples:
             builder.store(total, builder.gep(y_row, [column]))
 
 
-def qdot_intrinsic(codegen_loop, weight_arrays):
-    """The intrinsics of one weight format's dot products, for `count` rows of x at once:
-    f(weights..., x, row, sample, y) writes sum_k W[row, k] * x[sample + g, k] into y[sample + g,
-    row] for g < count; `codegen_loop(context, builder, weight_types, weights, row, samples)` emits
-    the loop over the weight row's blocks, calling samples.add_products."""
-
-    def intrinsic_of(count):
-        def codegen(context, builder, signature, args):
-            *weights, x, row, sample, y = args
-            *weight_types, x_type, _, _, y_type = signature.args
-            samples = QdotSamples(context, builder, x_type, x, sample, count)
-            codegen_loop(context, builder, weight_types, weights, row, samples)
-            samples.store(context, y_type, y, sample, row)
-            return context.get_dummy_value()
-
-        def typed(args):
-            qdot_check(*args[:weight_arrays + 1], args[-1])
-            return types.none(*args), codegen
-
-        # an intrinsic's parameters are named one by one (numba types no *args)
-        if weight_arrays == 2:
-            def typer(typingctx, a, b, x, row, sample, y):
-                return typed((a, b, x, row, sample, y))
-        elif weight_arrays == 3:
-            def typer(typingctx, a, b, c, x, row, sample, y):
-                return typed((a, b, c, x, row, sample, y))
-        else:
-            def typer(typingctx, a, b, c, d, x, row, sample, y):
-                return typed((a, b, c, d, x, row, sample, y))
-        return intrinsic(typer)
-
-    return intrinsic_of
-
-
 def qdot_check(*arrays):
     for array in arrays:
         if not isinstance(array, types.Array) or array.ndim != 2 or array.layout != "C":
             raise TypeError(f"a quantized dot product takes C-contiguous 2-D arrays, not {array}")
 
 
-def qdot_q4_loop(run_bytes):
-    """The blocks of a 4-bit row whose values come in runs of `run_bytes` (16 or 32) bytes: values
-    (rows, in / 2) uint8, scale and offset (rows, in / 32) float32."""
-
-    def loop(context, builder, weight_types, weights, row, samples):
-        q_row, row_bytes = qdot_row(context, builder, weight_types[0], weights[0], row)
-        scale_row, _ = qdot_row(context, builder, weight_types[1], weights[1], row)
-        offset_row, _ = qdot_row(context, builder, weight_types[2], weights[2], row)
-        with cgutils.for_range(builder, builder.udiv(row_bytes, qdot_index(run_bytes))) as loop:
-            packed = qdot_load(builder, q_row, builder.mul(loop.index, qdot_index(run_bytes)),
-                               QDOT_I8, run_bytes)
-            nibbles = (builder.and_(packed, qdot_bytes(15, run_bytes)),
-                       builder.lshr(packed, qdot_bytes(4, run_bytes)))
-            for half in range(2):
-                # the 32-value block of this half of the run (a 16-byte run is one block)
-                block = (builder.add(builder.mul(loop.index, qdot_index(2)), qdot_index(half))
-                         if run_bytes == 32 else loop.index)
-                q = builder.uitofp(nibbles[half], qdot_vector_type(QDOT_F32, run_bytes))
-                weights_vector = builder.fadd(
-                    builder.fmul(q, qdot_splat(builder, qdot_scalar(builder, scale_row, block), run_bytes)),
-                    qdot_splat(builder, qdot_scalar(builder, offset_row, block), run_bytes))
-                start = builder.add(builder.mul(loop.index, qdot_index(2 * run_bytes)),
-                                    qdot_index(half * run_bytes))
-                samples.add_products(weights_vector, start)
-
-    return qdot_intrinsic(loop, 3)
-
-
-q4_dots_runs_of_16 = qdot_q4_loop(16)  # Q4_0, Q4_1
-q4_dots_runs_of_32 = qdot_q4_loop(32)  # Q4_K
-
-
-def q5_loop(context, builder, weight_types, weights, row, samples):
-    """The blocks of a 5-bit row (Q5_0): values (rows, in / 2) and high (rows, in / 8) uint8,
-    scale and offset (rows, in / 32) float32."""
-    q_row, row_bytes = qdot_row(context, builder, weight_types[0], weights[0], row)
-    high_row, _ = qdot_row(context, builder, weight_types[1], weights[1], row)
-    scale_row, _ = qdot_row(context, builder, weight_types[2], weights[2], row)
-    offset_row, _ = qdot_row(context, builder, weight_types[3], weights[3], row)
-    with cgutils.for_range(builder, builder.udiv(row_bytes, qdot_index(16))) as loop:
-        block = loop.index  # 32 values: 16 bytes of nibbles, 4 bytes of fifth bits
-        packed = qdot_load(builder, q_row, builder.mul(block, qdot_index(16)), QDOT_I8, 16)
-        fifth = qdot_load(builder, high_row, builder.mul(block, qdot_index(4)), QDOT_I8, 4)
-        nibbles = (builder.and_(packed, qdot_bytes(15, 16)), builder.lshr(packed, qdot_bytes(4, 16)))
-        for half in range(2):  # values 16 * half + i, i < 16: bit i % 8 of byte 2 * half + i // 8
-            spread = builder.shuffle_vector(
-                fifth, ir.Constant(fifth.type, ir.Undefined),
-                ir.Constant(qdot_vector_type(QDOT_I32, 16), [2 * half + i // 8 for i in range(16)]))
-            bits = builder.and_(
-                builder.lshr(spread, ir.Constant(qdot_vector_type(QDOT_I8, 16), [i % 8 for i in range(16)])),
-                qdot_bytes(1, 16))
-            q = builder.or_(nibbles[half], builder.shl(bits, qdot_bytes(4, 16)))
-            q = builder.uitofp(q, qdot_vector_type(QDOT_F32, 16))
-            weights_vector = builder.fadd(
-                builder.fmul(q, qdot_splat(builder, qdot_scalar(builder, scale_row, block), 16)),
-                qdot_splat(builder, qdot_scalar(builder, offset_row, block), 16))
-            start = builder.add(builder.mul(block, qdot_index(32)), qdot_index(16 * half))
-            samples.add_products(weights_vector, start)
-
-
-q5_dots = qdot_intrinsic(q5_loop, 4)
-
-
-def q8_loop(context, builder, weight_types, weights, row, samples):
-    """The blocks of an 8-bit row: values (rows, in) int8, scale (rows, in / 32) float32."""
-    q_row, row_length = qdot_row(context, builder, weight_types[0], weights[0], row)
-    scale_row, _ = qdot_row(context, builder, weight_types[1], weights[1], row)
-    with cgutils.for_range(builder, builder.udiv(row_length, qdot_index(32))) as loop:
-        start = builder.mul(loop.index, qdot_index(32))
-        weights_vector = builder.fmul(
-            builder.sitofp(qdot_load(builder, q_row, start, QDOT_I8, 32), qdot_vector_type(QDOT_F32, 32)),
-            qdot_splat(builder, qdot_scalar(builder, scale_row, loop.index), 32))
-        samples.add_products(weights_vector, start)
-
-
-q8_dots = qdot_intrinsic(q8_loop, 2)
-
-
-def q6_loop(context, builder, weight_types, weights, row, samples):
-    """The blocks of a 6-bit row (Q6_K): low (rows, in / 2) and high (rows, in / 4) uint8, scale
-    (rows, in / 16) float32."""
-    low_row, low_bytes = qdot_row(context, builder, weight_types[0], weights[0], row)
-    high_row, _ = qdot_row(context, builder, weight_types[1], weights[1], row)
-    scale_row, _ = qdot_row(context, builder, weight_types[2], weights[2], row)
-    with cgutils.for_range(builder, builder.udiv(low_bytes, qdot_index(64))) as loop:
-        group = loop.index  # 128 values
-        low = qdot_load(builder, low_row, builder.mul(group, qdot_index(64)), QDOT_I8, 64)
-        high = qdot_load(builder, high_row, builder.mul(group, qdot_index(32)), QDOT_I8, 32)
-        for k in range(4):  # values 32k .. 32k + 31 of the group
-            source = qdot_lanes(builder, low, 32 * (k % 2), 32)
-            nibble = (builder.and_(source, qdot_bytes(15, 32)) if k < 2
-                      else builder.lshr(source, qdot_bytes(4, 32)))
-            high_bits = builder.and_(builder.lshr(high, qdot_bytes(2 * k, 32)), qdot_bytes(3, 32))
-            q = builder.sub(builder.or_(nibble, builder.shl(high_bits, qdot_bytes(4, 32))),
-                            qdot_bytes(32, 32))
-            q = builder.sitofp(q, qdot_vector_type(QDOT_F32, 32))
-            first_scale = builder.add(builder.mul(group, qdot_index(8)), qdot_index(2 * k))
-            for half in range(2):  # 16 values per scale
-                weights_vector = builder.fmul(
-                    qdot_lanes(builder, q, 16 * half, 16),
-                    qdot_splat(builder, qdot_scalar(builder, scale_row, builder.add(first_scale, qdot_index(half))), 16))
-                start = builder.add(builder.mul(group, qdot_index(128)), qdot_index(32 * k + 16 * half))
-                samples.add_products(weights_vector, start)
-
-
-q6_dots = qdot_intrinsic(q6_loop, 3)
-
-# Each format's products of one weight row: with one row of x, and with QDOT_SAMPLES rows at once
-# (a batch of sequences decoded together; 4 rows' partial sums, 16 vectors of 16 lanes, fill the 32
-# AVX-512 registers by half).
+# the rows of x a weight row is decoded once for (a batch of sequences decoded together; 4 rows'
+# partial sums, 16 vectors of 16 lanes, fill the 32 AVX-512 registers by half)
 QDOT_SAMPLES = 4
-q4_row_dot_runs_of_16, q4_rows_dot_runs_of_16 = q4_dots_runs_of_16(1), q4_dots_runs_of_16(QDOT_SAMPLES)
-q4_row_dot_runs_of_32, q4_rows_dot_runs_of_32 = q4_dots_runs_of_32(1), q4_dots_runs_of_32(QDOT_SAMPLES)
-q5_row_dot, q5_rows_dot = q5_dots(1), q5_dots(QDOT_SAMPLES)
-q8_row_dot, q8_rows_dot = q8_dots(1), q8_dots(QDOT_SAMPLES)
-q6_row_dot, q6_rows_dot = q6_dots(1), q6_dots(QDOT_SAMPLES)
 
 
 # --- rows read where they are stored ----------------------------------------------------------------
 #
-# The same products on a weight row given by the absolute address of its first byte (in a memory
-# map of the model's GGUF or safetensors file), its bytes exactly as the file stores them: blocks
+# A weight row is given by the absolute address of its first byte (in a memory map of the model's
+# GGUF or safetensors file), its bytes exactly as the file stores them: blocks
 # one after another, each with its float16 scale(s) beside its packed integers (pyml/formats/
 # quant.py gives the layouts), or plain little-endian floats. Nothing is copied or decoded ahead:
 # a row's blocks are decoded as they are read, the float16 scales widened to float32 in the loop.
@@ -321,20 +160,16 @@ q6_row_dot, q6_rows_dot = q6_dots(1), q6_dots(QDOT_SAMPLES)
 # Each layout's loop decodes the row into float32 vectors in order, handing each to `use(weights,
 # start)` (the vector holds values start ..): the dot products add it to their partial sums, the
 # embedding stores it. Each value is computed as pyml.formats.quant.dequantize computes it, in
-# float32, so the embedding's rows are its bits; and each block's products are added in the order
-# and to the partial sums the split-array loops above use, on the same weights (where a formula
-# differs, as Q4_0's (q - 8) * d against their q * d + (-8 d), both are exact for every finite d),
-# so the products are theirs bit for bit.
+# float32, so the embedding's rows are its bits; the dot products add the same weights, value after
+# value, to QdotSamples' partial sums in turn. (Until 2026-12-05 the step read split arrays, the
+# scales decoded ahead; these loops gave their products bit for bit, so reading the rows in place
+# changed no token.)
 
 
 def stored_half(builder, block, offset):
     """The float16 at byte `offset` of `block` (an i8 pointer), widened to float32 (exactly)."""
     pointer = builder.bitcast(builder.gep(block, [qdot_index(offset)]), QDOT_F16.as_pointer())
     return builder.fpext(builder.load(pointer, align=1), QDOT_F32)
-
-
-def stored_byte(builder, block, offset):
-    return builder.load(builder.gep(block, [qdot_index(offset)]))
 
 
 def stored_nibbles(builder, block, offset):
@@ -395,31 +230,39 @@ def stored_q5_0_values(builder, row, values, use):
                 builder.add(builder.mul(loop.index, qdot_index(32)), qdot_index(16 * half)))
 
 
+def stored_lane(builder, vector, lane, lanes):
+    """Lane `lane` of `vector` in each of `lanes` lanes."""
+    mask = ir.Constant(qdot_vector_type(QDOT_I32, lanes), [lane] * lanes)
+    return builder.shuffle_vector(vector, ir.Constant(vector.type, ir.Undefined), mask)
+
+
+def stored_bytes_at(builder, data, positions):
+    """The vector of data's lanes at `positions` (an index past data's lanes: 0)."""
+    zeros = ir.Constant(data.type, [0] * data.type.count)
+    mask = [p if p is not None else data.type.count for p in positions]
+    return builder.shuffle_vector(data, zeros, ir.Constant(qdot_vector_type(QDOT_I32, len(mask)), mask))
+
+
 def stored_q4_k_scales(builder, block):
-    """The (d * scale, dmin * min) of each of a Q4_K block's 8 sub-blocks, float32 scalars. Bytes
+    """(d * scale, dmin * min) of a Q4_K block's 8 sub-blocks, two <8 x float> vectors (all in
+    vector lanes: scalar code per sub-block made the row's loop 1.2x slower, 2026-12-05). Bytes
     4..7 hold scales 0..3 (and in their top two bits the top bits of scales 4..7), bytes 8..11 the
     same for the mins, bytes 12..15 the low nibbles of scales 4..7 (low) and of mins 4..7 (high)."""
     d, dmin = stored_half(builder, block, 0), stored_half(builder, block, 2)
+    header = qdot_load(builder, block, qdot_index(0), QDOT_I8, 16)
+    lanes = qdot_vector_type(QDOT_I8, 8)
 
-    def byte(offset):
-        return stored_byte(builder, block, offset)
+    def six_bits(low, shift, top):  # (low >> shift) & mask, with top's two high bits above a nibble
+        low = builder.lshr(stored_bytes_at(builder, header, low), ir.Constant(lanes, shift))
+        low = builder.and_(low, ir.Constant(lanes, [0x3F] * 4 + [15] * 4))
+        top = builder.lshr(stored_bytes_at(builder, header, [None] * 4 + top), ir.Constant(lanes, [6] * 8))
+        return builder.or_(low, builder.shl(top, ir.Constant(lanes, [4] * 8)))
 
-    def six_bits(low, top):  # low's nibble or six bits, with top's two high bits above a nibble
-        if top is None:
-            return builder.and_(low, ir.Constant(QDOT_I8, 0x3F))
-        return builder.or_(low, builder.shl(builder.lshr(top, ir.Constant(QDOT_I8, 6)), ir.Constant(QDOT_I8, 4)))
-
-    scales = []
-    for j in range(8):
-        if j < 4:
-            scale, minimum = six_bits(byte(4 + j), None), six_bits(byte(8 + j), None)
-        else:
-            nibbles = byte(8 + j)
-            scale = six_bits(builder.and_(nibbles, ir.Constant(QDOT_I8, 15)), byte(j))
-            minimum = six_bits(builder.lshr(nibbles, ir.Constant(QDOT_I8, 4)), byte(4 + j))
-        scales.append((builder.fmul(d, builder.uitofp(scale, QDOT_F32)),
-                       builder.fmul(dmin, builder.uitofp(minimum, QDOT_F32))))
-    return scales
+    scales = six_bits([4, 5, 6, 7, 12, 13, 14, 15], [0] * 8, [4, 5, 6, 7])
+    minimums = six_bits([8, 9, 10, 11, 12, 13, 14, 15], [0] * 4 + [4] * 4, [8, 9, 10, 11])
+    floats = qdot_vector_type(QDOT_F32, 8)
+    return (builder.fmul(qdot_splat(builder, d, 8), builder.uitofp(scales, floats)),
+            builder.fmul(qdot_splat(builder, dmin, 8), builder.uitofp(minimums, floats)))
 
 
 def stored_q4_k_values(builder, row, values, use):
@@ -433,9 +276,9 @@ def stored_q4_k_values(builder, row, values, use):
             packed = qdot_load(builder, block, qdot_index(16 + 32 * run), QDOT_I8, 32)
             nibbles = (builder.and_(packed, qdot_bytes(15, 32)), builder.lshr(packed, qdot_bytes(4, 32)))
             for half in range(2):
-                scale, minimum = scales[2 * run + half]
+                scale, minimum = (stored_lane(builder, vector, 2 * run + half, 32) for vector in scales)
                 q = builder.uitofp(nibbles[half], qdot_vector_type(QDOT_F32, 32))
-                use(builder.fsub(builder.fmul(qdot_splat(builder, scale, 32), q), qdot_splat(builder, minimum, 32)),
+                use(builder.fsub(builder.fmul(scale, q), minimum),
                     builder.add(builder.mul(loop.index, qdot_index(256)), qdot_index(64 * run + 32 * half)))
 
 
@@ -445,27 +288,29 @@ def stored_q6_k_values(builder, row, values, use):
     nibbles of bytes 64 h + i are values i (i < 64), high nibbles values 64 + i; bits 2k, 2k + 1
     of byte 128 + 32 h + i are value 32 k + i's top two; a scale per 16 values: value =
     (d * scale) * (q - 32)."""
-    with cgutils.for_range(builder, builder.udiv(values, qdot_index(128))) as loop:
-        block = builder.gep(row, [builder.mul(builder.udiv(loop.index, qdot_index(2)), qdot_index(210))])
-        part = builder.urem(loop.index, qdot_index(2))
-        low = qdot_load(builder, block, builder.mul(part, qdot_index(64)), QDOT_I8, 64)
-        high = qdot_load(builder, block, builder.add(qdot_index(128), builder.mul(part, qdot_index(32))),
-                         QDOT_I8, 32)
-        d = stored_half(builder, block, 208)
-        first_scale = builder.add(qdot_index(192), builder.mul(part, qdot_index(8)))
-        for k in range(4):  # values 32k .. 32k + 31 of the half
-            source = qdot_lanes(builder, low, 32 * (k % 2), 32)
-            nibble = (builder.and_(source, qdot_bytes(15, 32)) if k < 2
-                      else builder.lshr(source, qdot_bytes(4, 32)))
-            high_bits = builder.and_(builder.lshr(high, qdot_bytes(2 * k, 32)), qdot_bytes(3, 32))
-            q = builder.sub(builder.or_(nibble, builder.shl(high_bits, qdot_bytes(4, 32))),
-                            qdot_bytes(32, 32))
-            q = builder.sitofp(q, qdot_vector_type(QDOT_F32, 32))
-            for half in range(2):  # 16 values per scale
-                scale_byte = builder.load(builder.gep(block, [builder.add(first_scale, qdot_index(2 * k + half))]))
-                scale = builder.fmul(d, builder.sitofp(scale_byte, QDOT_F32))
-                use(builder.fmul(qdot_lanes(builder, q, 16 * half, 16), qdot_splat(builder, scale, 16)),
-                    builder.add(builder.mul(loop.index, qdot_index(128)), qdot_index(32 * k + 16 * half)))
+    # one block per iteration, its two halves unrolled: every byte at a constant offset in the block
+    with cgutils.for_range(builder, builder.udiv(values, qdot_index(256))) as loop:
+        block = builder.gep(row, [builder.mul(loop.index, qdot_index(210))])
+        # d * scale of the block's 16 scales, in vector lanes (as Q4_K's)
+        scales = builder.fmul(qdot_splat(builder, stored_half(builder, block, 208), 16),
+                              builder.sitofp(qdot_load(builder, block, qdot_index(192), QDOT_I8, 16),
+                                             qdot_vector_type(QDOT_F32, 16)))
+        for part in range(2):
+            low = qdot_load(builder, block, qdot_index(64 * part), QDOT_I8, 64)
+            high = qdot_load(builder, block, qdot_index(128 + 32 * part), QDOT_I8, 32)
+            for k in range(4):  # values 32k .. 32k + 31 of the half
+                source = qdot_lanes(builder, low, 32 * (k % 2), 32)
+                nibble = (builder.and_(source, qdot_bytes(15, 32)) if k < 2
+                          else builder.lshr(source, qdot_bytes(4, 32)))
+                high_bits = builder.and_(builder.lshr(high, qdot_bytes(2 * k, 32)), qdot_bytes(3, 32))
+                q = builder.sub(builder.or_(nibble, builder.shl(high_bits, qdot_bytes(4, 32))),
+                                qdot_bytes(32, 32))
+                q = builder.sitofp(q, qdot_vector_type(QDOT_F32, 32))
+                for half in range(2):  # 16 values per scale
+                    scale = stored_lane(builder, scales, 8 * part + 2 * k + half, 16)
+                    use(builder.fmul(qdot_lanes(builder, q, 16 * half, 16), scale),
+                        builder.add(builder.mul(loop.index, qdot_index(256)),
+                                    qdot_index(128 * part + 32 * k + 16 * half)))
 
 
 def stored_float_loop(load):
@@ -510,9 +355,15 @@ stored_f32_values, stored_f16_values, stored_bf16_values = (
     stored_float_loop(load) for load in (stored_f32, stored_f16, stored_bf16))
 
 
-def stored_kinds(builder, kind, loops, case):
-    """A switch on `kind` (an integer): `case(loop)` emits the code of the kind whose loop is
-    loops[kind]; a kind not in `loops` does nothing."""
+def stored_kinds(builder, kind, kind_type, loops, case):
+    """`case(loop)` for the kind's loop in `loops` (a kind not in `loops` does nothing): a literal
+    kind (a constant where the kernel calls the intrinsic) emits that kind's code alone, so a
+    layer whose rows share one kind runs a loop with no switch in it (a switch on every row of
+    one parallel loop made the products 1.5x slower, 2026-12-05); another kind, a switch."""
+    if isinstance(kind_type, types.IntegerLiteral):
+        if kind_type.literal_value in loops:
+            case(loops[kind_type.literal_value])
+        return
     done = builder.append_basic_block("stored_kind_done")
     switch = builder.switch(kind, done)
     for code, loop in loops.items():
@@ -529,45 +380,55 @@ def stored_integer(value):
         raise TypeError(f"a row's kind and address are integers, not {value}")
 
 
-def stored_row_dots(loops, count):
-    """The intrinsic f(kind, address, x, row, sample, y): y[sample + g, row] = sum_k W[k] * x[sample
-    + g, k] for g < count, W the row of x.shape[1] values whose first byte is at `address` (an
-    integer) in the layout of loops[kind] (a `stored_*_values` loop), x (B, in) float32 and y
-    (B, rows) C-contiguous (the sum in float32, converted to y's dtype). Each sample's sums are its
-    own, so its result is the same bits whatever `count` is (QdotSamples)."""
+def stored_row_products(loops):
+    """The intrinsic f(kind, address, x, row, y): y[b, row] = sum_k W[k] * x[b, k] for every row b
+    of x, W the row of x.shape[1] values whose first byte is at `address` (an integer) in the
+    layout of loops[kind] (a `stored_*_values` loop), x (B, in) float32 and y (B, rows)
+    C-contiguous (the sum in float32, converted to y's dtype). The rows of x are taken
+    QDOT_SAMPLES at a time, the weight row decoded once for them, then one at a time; each keeps
+    sums of its own, so its result is the same bits whatever B is (QdotSamples)."""
 
     def codegen(context, builder, signature, args):
-        kind, address, x, row, sample, y = args
-        _, _, x_type, _, _, y_type = signature.args
-        columns = builder.extract_value(context.make_array(x_type)(context, builder, x).shape, 1)
+        kind, address, x, row, y = args
+        kind_type, _, x_type, _, y_type = signature.args
+        x_shape = context.make_array(x_type)(context, builder, x).shape
+        batch, columns = builder.extract_value(x_shape, 0), builder.extract_value(x_shape, 1)
+        whole = builder.mul(builder.udiv(batch, qdot_index(QDOT_SAMPLES)), qdot_index(QDOT_SAMPLES))
         first_byte = builder.inttoptr(address, QDOT_I8.as_pointer())
 
-        def case(loop):
+        def products(loop, sample, count):
             samples = QdotSamples(context, builder, x_type, x, sample, count)
             loop(builder, first_byte, columns, samples.add_products)
             samples.store(context, y_type, y, sample, row)
 
-        stored_kinds(builder, kind, loops, case)
+        def case(loop):
+            with cgutils.for_range(builder, builder.udiv(whole, qdot_index(QDOT_SAMPLES))) as group:
+                products(loop, builder.mul(group.index, qdot_index(QDOT_SAMPLES)), QDOT_SAMPLES)
+            with cgutils.for_range(builder, builder.sub(batch, whole)) as one:
+                products(loop, builder.add(whole, one.index), 1)
+
+        stored_kinds(builder, kind, kind_type, loops, case)
         return context.get_dummy_value()
 
-    @intrinsic
-    def dots(typingctx, kind, address, x, row, sample, y):
+    @intrinsic(prefer_literal=True)
+    def row_products(typingctx, kind, address, x, row, y):
         stored_integer(kind)
         stored_integer(address)
         qdot_check(x, y)
-        return types.none(kind, address, x, row, sample, y), codegen
+        return types.none(kind, address, x, row, y), codegen
 
-    return dots
+    return row_products
 
 
 def stored_row_values(loops):
     """The intrinsic f(kind, address, out, n): out[n] = the row of out.shape[1] values at `address`
-    in the layout of loops[kind], dequantized in float32 (pyml.formats.quant.dequantize's bits)
-    and converted to out's dtype; out 2-D C-contiguous, float32 or float64."""
+    in the layout of loops[kind] (a literal kind: that kind's code alone, as stored_row_products),
+    dequantized in float32 (pyml.formats.quant.dequantize's bits) and converted to out's dtype;
+    out 2-D C-contiguous, float32 or float64."""
 
     def codegen(context, builder, signature, args):
         kind, address, out, n = args
-        out_type = signature.args[2]
+        kind_type, _, out_type, _ = signature.args
         out_row, columns = qdot_row(context, builder, out_type, out, n)
         element = context.get_value_type(out_type.dtype)
         first_byte = builder.inttoptr(address, QDOT_I8.as_pointer())
@@ -577,10 +438,10 @@ def stored_row_values(loops):
                 weights = builder.fpext(weights, qdot_vector_type(element, weights.type.count))
             builder.store(weights, builder.bitcast(builder.gep(out_row, [start]), weights.type.as_pointer()), align=1)
 
-        stored_kinds(builder, kind, loops, lambda loop: loop(builder, first_byte, columns, store))
+        stored_kinds(builder, kind, kind_type, loops, lambda loop: loop(builder, first_byte, columns, store))
         return context.get_dummy_value()
 
-    @intrinsic
+    @intrinsic(prefer_literal=True)
     def values(typingctx, kind, address, out, n):
         stored_integer(kind)
         stored_integer(address)
@@ -617,7 +478,7 @@ def stored_float64(typingctx, address, index):
 # same lanes come from generic vector IR. Both give the same integers, and everything after is the
 # same float32 arithmetic, so the two paths give the same results bit for bit.
 #
-# The weights are repacked for it (pyml/generate/quantized.py's `rows_by_16`), as
+# The weights are repacked for it (pyml/generate/stored_step.py's `rows_by_16`), as
 # llama.cpp's CPU "extra buffer types" repack them: 16 output rows in the 16 lanes, so that one
 # vpdpbusd multiplies 4 consecutive weights of each of 16 rows by the same 4 activations (broadcast
 # to every lane), the block scales of 16 rows are one vector, and no lane is ever summed across.

@@ -1,16 +1,18 @@
-"""The generated fused decode step (gen/<name>/decode_cpu.py) and its linear maps.
+"""The generated fused decode step (gen/<name>/decode_cpu.py) and its linear maps on int8
+activations.
 
-- `linear_row`, the step's linear map, equals the exact model's matVec (pyml/exact.py) bit for bit
-  in every format it runs, and on layers of two formats in one stack, on small integers where
-  float32 arithmetic is exact (tests/support/quantized_cases.py says why); on int8 activations too
-  (--activations q8_0), with integers up to 127 that the rounding keeps exactly.
+- The products on int8 activations (--activations q8_0, `linear_stored` on layers repacked by
+  pyml.generate.stored_step.with_int8_activations) equal the exact model's matVec (pyml/exact.py)
+  bit for bit, with integers up to 127 that the rounding keeps exactly, also beside a layer that
+  keeps float32 activations.
 - The rounding of activations to int8 equals gguf's Q8_0 quantizer (llama.cpp's reference), and
   the int8-activation products on real weights equal gguf's dequantized weights times the rounded
   activations; the VNNI instruction and the generic vector code give the same bits.
 - The whole step on llama_tiny with weights quantized to Q8_0, Q4_0 or Q4_1 gives, position after
   position, the logits of a float64 numpy forward over the whole sequence on the same (dequantized)
   weights, within float32 rounding.
-The real models through it (their greedy tokens equal to transformers') are in
+Every kind of stored row on float32 activations, exact and real, is tests/kernels/test_stored_rows.py's;
+the real models through the step (their greedy tokens equal to transformers') are in
 test_shipped_generation.py.
 """
 
@@ -23,61 +25,37 @@ from gguf import GGMLQuantizationType as GGML
 
 from pyml import exact
 from pyml.errors import PymlError
-from pyml.formats.gguf_quantized import quantized_matrix
 from pyml.formats.quant import GGMLType
-from pyml.generate.quantized import (
-    STEP_KINDS,
-    QuantizedDecoder,
-    check_weights,
-    kept_arrays,
-    weight_tuple,
-    with_int8_activations,
-)
+from pyml.generate.quantized import QuantizedDecoder, check_weights
+from pyml.generate.stored_step import with_int8_activations
 from pyml.package import quantized_dot
-from pyml.package.decode_cpu import linear_row
+from pyml.package.decode_cpu import (
+    Q4_RUNS_OF_16_X8,
+    ROW_KIND_OF,
+    ROW_Q4_K,
+    linear_stored,
+    row_addresses,
+    stored_weight,
+)
 from tests.support.llama_tiny_reference import reference_logits
 from tests.support.project_packages import project_package
-from tests.support.quantized_cases import (
-    STEP_TYPES,
-    case_step_exact,
-    case_step_float64_rows,
-    case_step_two_kinds_in_one_stack,
-    exact_weights,
-    gguf_weights,
-    step_layer,
-    step_weight,
-)
+from tests.support.quantized_cases import exact_weights, gguf_weights, half_bytes
 
 tiny = project_package("llama_tiny").model
 decode_cpu_step = importlib.import_module(project_package("llama_tiny").__name__ + ".decode_cpu")
 
-
-def run_cpu_step(weight, layer, x):
-    y = np.full((1, weight[1].shape[1]), np.nan, x.dtype)
-    linear_row(weight, layer, x, y)
-    return y
-
-
-@pytest.mark.parametrize("ggml", [*STEP_TYPES, None], ids=[t.name for t in STEP_TYPES] + ["dense"])
-def test_linear_row_equals_the_exact_mat_vec(ggml):
-    case_step_exact(run_cpu_step, ggml)
-
-
-def test_linear_row_runs_float64_rows():
-    """A float64 model's step compiles every kind's branch for float64 x and y, the int8 ones
-    included, and runs its dense rows exactly."""
-    case_step_float64_rows(run_cpu_step)
-
-
-def test_layers_of_two_kinds_share_one_stack():
-    case_step_two_kinds_in_one_stack(run_cpu_step)
-
-
 INT8_TYPES = (GGML.Q8_0, GGML.Q4_0, GGML.Q4_1)  # the formats --activations q8_0 runs
 
 
+def stored_layers(layers, rows):
+    """The stored form of layers given as (GGUF bytes, type) of `rows` rows each (the caller keeps
+    the bytes)."""
+    kinds = np.stack([np.full(rows, ROW_KIND_OF[GGMLType(int(ggml))]) for _, ggml in layers])
+    return stored_weight(kinds, np.stack([row_addresses(raw, rows) for raw, _ in layers]))
+
+
 def int8_step_weight(raw, ggml, rows, columns, int8_activations):
-    weight = step_weight(raw, ggml, rows, columns)
+    weight = stored_layers([(raw, ggml)], rows)
     return with_int8_activations(weight, columns) if int8_activations else weight
 
 
@@ -100,9 +78,9 @@ def test_int8_activation_rows_equal_the_exact_mat_vec(ggml, blocks):
     x = exact_int8_input(rng, columns)
     written = np.full((1, rows + 16), np.nan, np.float32)  # y, and what follows it in memory
     y = written[:, :rows]
-    linear_row(weight, 0, x.astype(np.float32), y)
+    linear_stored(weight, 0, x.astype(np.float32), y)
     assert np.isnan(written[0, rows:]).all()  # the last group of 16 rows wrote only its 5
-    assert weight[3].shape[2] == -(-blocks // 2)  # float16 scales: half as many float32 columns
+    assert weight[4].shape[2] == -(-blocks // 2)  # float16 scales: half as many float32 columns
     assert np.array_equal(rounded(x.astype(np.float32))[0], x)  # the rounding keeps the integers
     expected = exact.mat_vec(weights.astype(np.int64).tolist(), x[0].tolist())
     assert np.array_equal(y[0], np.array(expected, dtype=np.float64))
@@ -110,19 +88,19 @@ def test_int8_activation_rows_equal_the_exact_mat_vec(ggml, blocks):
 
 def test_int8_layers_share_a_stack_with_float_activation_layers():
     """A Q4_1 layer on int8 activations beside a Q4_K layer, which keeps float32 activations and
-    scales (Q4_K has no int8 kind): the stack stays float32-wide, the Q4_1 layer reads its float16
-    scales from the start of its rows, and both layers equal their exact matVec."""
+    its rows in place (Q4_K has no int8 kind): the Q4_1 layer reads its float16 scales from the
+    start of its rows, and both layers equal their exact matVec."""
     rng = np.random.default_rng(12)
     rows, columns = 37, 256
-    layers = [step_layer(ggml, rows, columns, rng) for ggml in (GGML.Q4_1, GGML.Q4_K)]
-    weight = with_int8_activations(weight_tuple([kind for kind, _, _ in layers],
-                                                [arrays for _, arrays, _ in layers], rows), columns)
-    assert weight[3].shape[2] == columns // 32
+    layers = [(*exact_weights(ggml, rows, columns, rng), ggml) for ggml in (GGML.Q4_1, GGML.Q4_K)]
+    weight = with_int8_activations(stored_layers([(raw, ggml) for raw, _, ggml in layers], rows), columns)
+    assert weight[2].tolist() == [Q4_RUNS_OF_16_X8, ROW_Q4_K]
+    assert weight[4].shape[2] == columns // 32 // 2
     # int8-exact activations for the Q4_1 layer; small ones for Q4_K, whose products are larger
     inputs = (exact_int8_input(rng, columns), rng.integers(-8, 9, (1, columns)))
-    for layer, ((_, _, weights), x) in enumerate(zip(layers, inputs)):
+    for layer, ((_, weights, _), x) in enumerate(zip(layers, inputs)):
         y = np.full((1, rows), np.nan, np.float32)
-        linear_row(weight, layer, x.astype(np.float32), y)
+        linear_stored(weight, layer, x.astype(np.float32), y)
         expected = exact.mat_vec(weights.astype(np.int64).tolist(), x[0].tolist())
         assert np.array_equal(y[0], np.array(expected, dtype=np.float64))
 
@@ -131,10 +109,9 @@ def test_a_scale_beyond_float16_is_refused_before_decoding():
     """The int8 kinds read float16 scales; a block whose offset float16 cannot hold (a Q4_0 offset
     is -8 times its scale) is refused, not rounded."""
     raw, _ = exact_weights(GGML.Q4_0, 16, 64, np.random.default_rng(2))
-    arrays = kept_arrays(GGMLType.Q4_0, quantized_matrix(raw, GGML.Q4_0, (16, 64)).arrays)
-    arrays["offset"][3, 1] = np.float32(-8 * 60000.0)
+    raw.reshape(16, 2, 18)[3, 1, :2] = half_bytes(np.array([60000.0]))
     with pytest.raises(PymlError, match="not a float16 value"):
-        with_int8_activations(weight_tuple([STEP_KINDS[GGMLType.Q4_0]], [arrays], 16), 64)
+        int8_step_weight(raw, GGML.Q4_0, 16, 64, int8_activations=True)
 
 
 def rounded(x):
@@ -171,7 +148,7 @@ def test_a_non_finite_activation_makes_its_block_nan():
     raw, _ = exact_weights(GGML.Q8_0, 2, 96, np.random.default_rng(0))
     weight = int8_step_weight(raw, GGML.Q8_0, 2, 96, int8_activations=True)
     y = np.zeros((1, 2), np.float32)
-    linear_row(weight, 0, x, y)
+    linear_stored(weight, 0, x, y)
     assert np.isnan(y).all()
 
 
@@ -192,7 +169,7 @@ def test_int8_activation_rows_on_real_weights(ggml):
     errors = {}
     for int8_activations in (True, False):
         y = np.full((1, rows), np.nan, np.float32)
-        linear_row(int8_step_weight(raw, ggml, rows, columns, int8_activations), 0, x, y)
+        linear_stored(int8_step_weight(raw, ggml, rows, columns, int8_activations), 0, x, y)
         errors[int8_activations] = np.abs(y - expected)
     assert (errors[True] <= columns * UNIT * (np.abs(x_rounded) @ np.abs(weights.T))).all()
     assert errors[False].max() > 100 * errors[True].max()
@@ -201,21 +178,20 @@ def test_int8_activation_rows_on_real_weights(ggml):
 VECTOR_IR_CHOICE = """
 import numpy as np
 from pyml.package import quantized_dot
-from pyml.package.decode_cpu import linear_row
-from pyml.formats.gguf_quantized import quantized_matrix
+from pyml.package.decode_cpu import ROW_KIND_OF, linear_stored, row_addresses, stored_weight
 from pyml.formats.quant import GGMLType
 from pyml.formats.quantize import quantize
-from pyml.generate.quantized import STEP_KINDS, kept_arrays, weight_tuple, with_int8_activations
+from pyml.generate.stored_step import with_int8_activations
 rng = np.random.default_rng(5)
 rows, columns = 21, 32 * 7
 x = rng.normal(0, 1, (1, columns)).astype(np.float32)
 bits = []
 for ggml in (GGMLType.Q4_1, GGMLType.Q8_0):
     raw = quantize(rng.normal(0, 0.05, (rows, columns)).astype(np.float32), ggml).reshape(-1)
-    arrays = kept_arrays(ggml, quantized_matrix(raw, int(ggml), (rows, columns)).arrays)
-    weight = with_int8_activations(weight_tuple([STEP_KINDS[ggml]], [arrays], rows), columns)
+    weight = stored_weight(np.full((1, rows), ROW_KIND_OF[ggml]), row_addresses(raw, rows)[None])
+    weight = with_int8_activations(weight, columns)
     y = np.zeros((1, rows), np.float32)
-    linear_row(weight, 0, x, y)
+    linear_stored(weight, 0, x, y)
     bits.append(y.tobytes().hex())
 print(quantized_dot.QDOT_VNNI, *bits)
 """
@@ -315,24 +291,33 @@ def test_weights_the_fused_step_does_not_know_are_refused_in_one_line():
 
 # -- a batch of sequences (`pyml serve`): each sequence's bits do not depend on the batch ----------
 
-@pytest.mark.parametrize("ggml, int8", [*((t, False) for t in STEP_TYPES), (None, False),
-                                         *((t, True) for t in INT8_TYPES)],
-                         ids=[t.name for t in STEP_TYPES] + ["dense"] + [f"{t.name} x Q8_0" for t in INT8_TYPES])
-def test_linear_row_gives_each_row_the_bits_it_gets_alone(ggml, int8):
+ROW_TYPES = (GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q4_K, GGML.Q6_K, GGML.F32, GGML.F16, GGML.BF16)
+
+
+@pytest.mark.parametrize("ggml, int8", [*((t, False) for t in ROW_TYPES), *((t, True) for t in INT8_TYPES)],
+                         ids=[t.name for t in ROW_TYPES] + [f"{t.name} x Q8_0" for t in INT8_TYPES])
+def test_linear_stored_gives_each_row_the_bits_it_gets_alone(ggml, int8):
     """Thirteen rows of x at once (float activations: three groups of four and one left over;
-    int8 ones: 8, 4 and 1) against each row alone: the same float32 bits, on inputs whose sums
-    round (so a different summation order would show); 40 output rows (int8: two whole groups of
-    16 and a part)."""
+    int8 ones: 8, 4 and 1) against each row alone, on a layer of one kind (its own loop): the same
+    float32 bits, on inputs whose sums round (so a different summation order would show); 40
+    output rows (int8: two whole groups of 16 and a part). Rows of mixed kinds:
+    tests/kernels/test_stored_rows.py."""
     rng = np.random.default_rng(3)
-    kind, arrays, _ = step_layer(ggml, 40, 256, rng)
-    weight = weight_tuple([kind], [arrays], 40)
-    if int8:
-        weight = with_int8_activations(weight, 256)
+    if ggml in (GGML.F32, GGML.F16, GGML.BF16):  # small integers: every float format holds them
+        values = rng.integers(-8, 9, (40, 256)).astype(np.float32)
+        raw = (np.ascontiguousarray(values).view("<u4") >> 16).astype("<u2") if ggml == GGML.BF16 else (
+            values.astype("<f4" if ggml == GGML.F32 else "<f2"))
+        raw = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+    else:
+        raw, _ = exact_weights(ggml, 40, 256, rng)
+    weight = int8_step_weight(raw, ggml, 40, 256, int8)
     x = rng.normal(0, 1, (13, 256)).astype(np.float32)
     together = np.full((13, 40), np.nan, np.float32)
-    linear_row(weight, 0, x, together)
+    linear_stored(weight, 0, x, together)
     for row in range(13):
-        np.testing.assert_array_equal(together[row], run_cpu_step(weight, 0, x[row : row + 1])[0, :40])
+        alone = np.full((1, 40), np.nan, np.float32)
+        linear_stored(weight, 0, x[row : row + 1], alone)
+        np.testing.assert_array_equal(together[row], alone[0])
 
 
 @pytest.mark.parametrize("weights", ["q4_1", "q8_0", "float rows"])

@@ -64,7 +64,7 @@ def test_the_step_reads_every_weight_row_in_the_gguf(llama_folders, name):
     gguf_map = mapped_buffer(next(array for array in decoder.kept if mapped_buffer(array) is not None))
     start = np.frombuffer(gguf_map, np.uint8).ctypes.data
     copied = [array for array in decoder.kept if mapped_buffer(array) is None]
-    for prefix, (kinds, addresses, *_) in decoder.weights.items():
+    for prefix, (_, addresses, *_) in decoder.weights.items():
         inside = (addresses >= start) & (addresses < start + len(gguf_map))
         if name == "f32" or prefix not in ("mlp_down",):
             assert inside.all(), prefix

@@ -15,14 +15,14 @@ from gguf import GGMLQuantizationType as GGML
 
 from pyml.errors import PymlError
 from pyml.formats.gguf_quantized import BLOCKS, quantized_matrix
-from pyml.package.decode_cpu import linear_row
+from pyml.package.decode_cpu import ROW_KIND_OF, linear_stored, row_addresses, stored_weight
+from pyml.formats.quant import GGMLType
 from tests.support.quantized_cases import (
     TYPES,
     assert_within_float32_sum,
     exact_weights,
     gguf_weights,
     real_weights,
-    step_weight,
 )
 
 
@@ -75,9 +75,10 @@ def test_smollm2_weights(name):
     ggml = GGML(int(tensor.ggml_type))
     raw = np.array(tensor.data[: rows * columns // BLOCKS[ggml][0] * BLOCKS[ggml][1]])
     x = np.random.default_rng(0).normal(0, 1, (3, columns)).astype(np.float32)
-    weight, y = step_weight(raw, ggml, rows, columns), np.zeros((3, rows), np.float32)
+    weight = stored_weight(np.full((1, rows), ROW_KIND_OF[GGMLType(int(ggml))]), row_addresses(raw, rows)[None])
+    y = np.zeros((3, rows), np.float32)
     for n in range(3):
-        linear_row(weight, 0, x[n : n + 1], y[n : n + 1])
+        linear_stored(weight, 0, x[n : n + 1], y[n : n + 1])
     assert_within_float32_sum(y, x, gguf_weights(raw, ggml, rows, columns).astype(np.float64))
 
 

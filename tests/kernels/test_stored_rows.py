@@ -4,11 +4,9 @@
 - Every kind on small integers equals the exact model's matVec (pyml/exact.py) bit for bit, and on
   real weights gguf's dequantization times x within the float32 summation bound
   (tests/support/quantized_cases.py says why both).
-- The quantized kinds give the split-array `linear_row`'s bits on the same GGUF bytes, so
-  switching the step over changes no greedy token; the int8-activation kinds run the same code on
-  the same repacked arrays.
 - Kinds mixed within a layer and across layers, rows in any order; a sequence's result is the same
-  bits alone as in a batch.
+  bits alone as in a batch (for layers of one kind: tests/generate/test_quantized_decoding.py).
+- A layer on int8 activations beside one read in place: each runs its own loop.
 - The embedding's rows are pyml.formats.quant.dequantize's bits, times the scale.
 - End to end on a GGUF written by gguf-py and memory-mapped by pyml.formats.gguf_read.
 """
@@ -29,7 +27,6 @@ from pyml.package.decode_cpu import (
     ROW_F64,
     ROW_KIND_OF,
     embedding_stored,
-    linear_row,
     linear_stored,
     row_addresses,
     stored_weight,
@@ -38,7 +35,6 @@ from tests.support.quantized_cases import (
     assert_within_float32_sum,
     exact_weights,
     real_weights,
-    step_weight,
 )
 
 QUANTIZED = (GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q4_K, GGML.Q6_K)
@@ -122,21 +118,6 @@ def test_each_kind_on_real_weights_is_the_dequantized_product(ggml):
     assert_within_float32_sum(y, x, decoded(raw, ggml, rows, columns).astype(np.float64))
 
 
-@pytest.mark.parametrize("ggml", QUANTIZED, ids=lambda t: t.name)
-def test_quantized_rows_give_linear_rows_bits(ggml):
-    """The split-array step's products on the same bytes, for 1, 4 and 5 sequences (QDOT_SAMPLES
-    at a time, one at a time, both)."""
-    rng = np.random.default_rng(3)
-    rows, columns = 9, 512
-    raw = real_rows(ggml, rows, columns, rng)
-    split, stored = step_weight(raw, ggml, rows, columns), one_layer(raw, ggml, rows)
-    for batch in (1, 4, 5):
-        x = rng.normal(0, 1, (batch, columns)).astype(np.float32)
-        expected = np.full((batch, rows), np.nan, np.float32)
-        linear_row(split, 0, x, expected)
-        assert np.array_equal(run(stored, 0, x).view(np.int32), expected.view(np.int32))
-
-
 def mixed_layer(kinds, per_kind: int, columns: int, rng, exact_values: bool):
     """One layer of `per_kind` rows of each of `kinds`, in a shuffled order: (the byte arrays to
     keep, kinds, addresses, the matrix its rows stand for)."""
@@ -197,28 +178,30 @@ def test_float64_rows_run_exactly_in_float64():
 
 
 @pytest.mark.parametrize("ggml", (GGML.Q8_0, GGML.Q4_0, GGML.Q4_1), ids=lambda t: t.name)
-def test_int8_activation_layers_give_linear_rows_bits(ggml):
-    """A layer repacked rows by 16 (37 rows: two whole groups and one of 5) runs as linear_row
-    runs it, for 1 to 13 sequences (8, 4 and 1 at a time); the other layer, read in place, is not
-    touched by the repacking."""
-    from pyml.generate.quantized import with_int8_activations
+def test_int8_activation_layers_beside_layers_read_in_place(ggml):
+    """A layer repacked rows by 16 (37 rows: two whole groups and one of 5) gives gguf's
+    dequantization times the rounded activations (tests/generate/test_quantized_decoding.py has
+    it exactly), for 1 to 13 sequences (8, 4 and 1 at a time), each sequence's bits its own; the
+    other layer, read in place, is not touched by the repacking."""
+    from pyml.generate.stored_step import with_int8_activations
 
     rng = np.random.default_rng(7)
     rows, columns = 37, 256
     raw, other = real_rows(ggml, rows, columns, rng), real_rows(GGML.Q6_K, rows, columns, rng)
-    split = with_int8_activations(step_weight(raw, ggml, rows, columns), columns)
-    kinds, addresses, *_ = stored_weight(
+    stored = with_int8_activations(stored_weight(
         np.stack([np.full(rows, ROW_KIND_OF[ggml]), np.full(rows, ROW_KIND_OF[GGML.Q6_K])]),
-        np.stack([row_addresses(raw, rows), row_addresses(other, rows)]))
-    kinds[0] = split[0][0]
-    assert kinds[0, 0] in (Q4_RUNS_OF_16_X8, Q8_X8)
-    _, packed, _, scale, offset, _ = split  # (1, rows padded to 16, width): layer 1 has none
-    stored = (kinds, addresses, *(np.concatenate([array, np.zeros_like(array)]) for array in (packed, scale, offset)))
+        np.stack([row_addresses(raw, rows), row_addresses(other, rows)])), columns)
+    assert stored[2][0] in (Q4_RUNS_OF_16_X8, Q8_X8) and (stored[0][0] == stored[2][0]).all()
+    assert stored[2][1] == ROW_KIND_OF[GGML.Q6_K]
+    weights = decoded(raw, ggml, rows, columns).astype(np.float64)
     for batch in (1, 4, 5, 13):
         x = rng.normal(0, 1, (batch, columns)).astype(np.float32)
-        expected = np.full((batch, rows), np.nan, np.float32)
-        linear_row(split, 0, x, expected)
-        assert np.array_equal(run(stored, 0, x).view(np.int32), expected.view(np.int32))
+        together = run(stored, 0, x)
+        # the rounding's error: a relative 1/254 of each block's largest activation
+        reference = x.astype(np.float64) @ weights.T
+        assert np.all(np.abs(together - reference) <= 0.01 * (np.abs(x) @ np.abs(weights).T))
+        for b in range(batch):
+            assert np.array_equal(run(stored, 0, x[b:b + 1]).view(np.int32), together[b:b + 1].view(np.int32))
     x = rng.normal(0, 1, (3, columns)).astype(np.float32)
     assert np.array_equal(run(stored, 1, x), run(one_layer(other, GGML.Q6_K, rows), 0, x))
 

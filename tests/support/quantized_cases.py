@@ -1,5 +1,6 @@
-"""Cases for the decode steps' linear map on GGUF blocks, shared by the CPU tests
-(tests/generate/test_quantized_decoding.py, tests/kernels/test_gguf_quantized.py) and the CUDA ones under Numba's
+"""GGUF blocks of exact and real weights for the decode steps' linear maps, shared by the CPU tests
+(tests/kernels/test_stored_rows.py, tests/generate/test_quantized_decoding.py,
+tests/kernels/test_gguf_quantized.py), and the CUDA step's cases on its split arrays under Numba's
 simulator (tests/cuda/quantized_decode_cuda_cases.py).
 
 Two kinds of weights, each encoded as the GGUF bytes of its type and loaded through
@@ -24,7 +25,7 @@ from pyml import exact
 from pyml.formats.gguf_quantized import BLOCKS, quantized_matrix
 from pyml.formats.quant import GGMLType
 from pyml.generate.cuda_weights import STEP_KINDS, kept_arrays, weight_tuple
-from pyml.package.decode_cpu import DENSE
+from pyml.package.decode_cuda import DENSE
 
 TYPES = (GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q4_K, GGML.Q6_K)  # the types of the shipped GGUFs
 # float32 unit roundoff: a sum of K products is within K * UNIT * sum |w x| of the exact one
@@ -141,9 +142,10 @@ def assert_within_float32_sum(y: np.ndarray, x: np.ndarray, weights: np.ndarray)
     assert np.all(np.abs(y - reference) <= bound), np.max(np.abs(y - reference) / bound)
 
 
-# -- the decode steps' linear map (pyml/package/decode_cpu.py, decode_cuda.py) ---------------------
-# `run_step(weight, layer, x)` runs a target's linear_row on a step weight tuple (host arrays,
-# pyml.generate.quantized.weight_tuple) and returns y (1, rows) on the host.
+# -- the CUDA step's linear map (pyml/package/decode_cuda.py) -----------------------------------------
+# `run_step(weight, layer, x)` runs its linear_row on a split weight tuple (host arrays,
+# pyml.generate.cuda_weights.weight_tuple) and returns y (1, rows) on the host. (The CPU step's
+# stored rows have the same cases in tests/kernels/test_stored_rows.py.)
 
 STEP_TYPES = (*TYPES, GGML.Q5_0)  # Q5_0: the fused steps' only (Gemma 3's q, k, v, gate, up)
 
@@ -197,7 +199,7 @@ def case_step_two_kinds_in_one_stack(run_step) -> None:
 
 def case_step_float64_rows(run_step) -> None:
     """A float64 model's dense rows (the fuzz corpus' specs) run in float64, exactly."""
-    from pyml.package.decode_cpu import DENSE
+    from pyml.package.decode_cuda import DENSE
     rng = np.random.default_rng(8)
     weights = rng.integers(-8, 9, (19, 64))
     weight = weight_tuple([DENSE], [{"dense": weights.astype(np.float64)}], 19)

@@ -3,7 +3,7 @@ scatter-adds the output gradient into the table's gradient (Lean law embedding_a
 
 from __future__ import annotations
 
-from pyml.codegen.calls import Act, Call, Grad, Statement, Weight, WeightGrad
+from pyml.codegen.calls import Act, Call, Grad, Statement, WeightGrad
 from pyml.codegen.ir import Op
 from pyml.codegen.kinds.base import BackwardEnv, ForwardEnv, Kind, inputs, outputs, params
 
@@ -18,7 +18,6 @@ class Embedding(Kind):
         return {"forward": ("embedding_forward", scale), "backward": ("embedding_backward", scale)}
 
     def forward(self, op: Op, env: ForwardEnv) -> list[Statement]:
-        ids, table, y = Act(op.inputs[0]), Weight(op.params["weight"]), Act(op.outputs[0])
         if env.mode == "step" and env.target == "cpu":
             # the CPU step reads the table's rows as stored (quantized or float), as its linear
             # maps do; the scale is given rounded to the step's dtype, as `embedding_forward`
