@@ -246,9 +246,10 @@ def thread_environment(threads: int) -> dict[str, str]:
 
 
 def folder_size(folder: Path) -> dict[str, float]:
-    """Each file's size in GiB, and the total."""
-    sizes = {str(path.relative_to(folder)): path.stat().st_size / GIB
-             for path in sorted(folder.rglob("*")) if path.is_file()}
+    """Each file's size in GiB as the folder holds it, and the total: a link (`pyml import-gguf`'s
+    source.gguf) counts its own bytes, not the file it names, which the folder does not copy."""
+    sizes = {str(path.relative_to(folder)): path.lstat().st_size / GIB
+             for path in sorted(folder.rglob("*")) if path.is_file() or path.is_symlink()}
     return sizes | {"total": sum(sizes.values())}
 
 
@@ -393,9 +394,9 @@ def report_lines(report: dict) -> list[str]:
         f"cached, the file in the page cache); peak RSS: ru_maxrss from os.wait4.",
         "",
         f"`pyml import-gguf`: {imported['seconds']:.1f} s, peak RSS {imported['peak_rss_gib']:.2f} GiB; "
-        f"folder {folder_gib:.2f} GiB = {folder_gib / gguf_gib:.2f}x the GGUF ("
-        + ", ".join(f"{name} {size:.2f}" for name, size in imported["folder_gib"].items() if name != "total"
-                    and size >= 0.01) + " GiB).",
+        f"folder {folder_gib * 1024:.1f} MiB = {folder_gib / gguf_gib:.3f}x the GGUF ("
+        + ", ".join(f"{name} {size * 1024:.1f}" for name, size in imported["folder_gib"].items()
+                    if name != "total" and size * 1024 >= 1) + " MiB; source.gguf is a link to the GGUF).",
         "",
         "| | " + " | ".join(SYSTEMS[name] for name in systems) + " | pyml / llama.cpp |",
         "| --- |" + " --- |" * (len(systems) + 1),

@@ -166,6 +166,30 @@ class DecodingBatch:
         np.maximum.at(self.lengths, rows, positions + 1)
         return {row: buffers.logits[entry].copy() for entry, (row, _, _) in enumerate(drawn)}
 
+    def score(self, tokens: list[int]) -> np.ndarray:
+        """The logits (len(tokens), VOCAB) of every position of `tokens`, a sequence of its own in a
+        free row, `chunk` positions per step (the row is free again after): what scoring a text
+        needs (`pyml eval`), where `step` computes a prompt's last logits only. Each position's
+        logits are the bits `step` gives it."""
+        if not self.free:
+            raise PymlError(f"all {self.capacity} sequences of the batch are in use")
+        if not 0 < len(tokens) <= self.max_len:
+            raise PymlError(f"the text has {len(tokens)} tokens: a sequence takes 1 to {self.max_len}")
+        row = self.free.pop()
+        try:
+            logits = np.empty((len(tokens), self.decoder.model.VOCAB), self.decoder.model.device.dtype)
+            for start in range(0, len(tokens), self.chunk):
+                part = np.asarray(tokens[start:start + self.chunk], np.int64)
+                buffers, arguments = self.step_for(len(part))
+                self.decoder.model.load_batch(part[:, None], buffers.ids, "input_ids")
+                self.decoder.step.decode_step(np.arange(start, start + len(part)), np.full(len(part), row),
+                                              len(part), *arguments)
+                logits[start:start + len(part)] = buffers.logits[:len(part)]
+                self.lengths[row] = start + len(part)
+            return logits
+        finally:
+            self.release(row)
+
     def step_for(self, entries: int) -> tuple:
         """The one-position buffers of `entries` rows and the step's arguments on them (the last
         BUFFER_SHAPES sizes are kept: a step's size changes with the prompts it prefills)."""
@@ -254,6 +278,23 @@ class QuantizedDecoder:
         if gguf_path is not None:
             return cls(model, step, *stored_weights(model, step.LINEARS, gguf_path))
         return cls(model, step, *float_row_weights(model, step.LINEARS))
+
+    def forward(self, input_ids, positions=None) -> np.ndarray:
+        """Logits (B, T, VOCAB) of every position, as the float32 model's forward gives them (`pyml
+        eval`), through the CPU step: each example of a row (a packed row's positions restart at 0
+        where one starts: `DecoderModel.load_positions`) scored as a sequence of its own."""
+        if self.model.device.name != "cpu":
+            raise PymlError("scoring through the fused step runs on the CPU")
+        ids = np.asarray(input_ids)
+        if ids.ndim != 2:
+            raise PymlError(f"input_ids must be a 2-D array (B, T), got {ids.shape}")
+        batch = DecodingBatch(self, 1, ids.shape[1])
+        logits = np.empty((*ids.shape, self.model.VOCAB), self.model.device.dtype)
+        for b, row in enumerate(ids):
+            starts = [0] if positions is None else np.flatnonzero(np.asarray(positions)[b] == 0).tolist()
+            for start, stop in zip(starts, starts[1:] + [len(row)]):
+                logits[b, start:stop] = batch.score(row[start:stop].tolist())
+        return logits
 
     def describe_formats(self) -> str:
         """The formats the linear maps run in, e.g. "Q4_1 (4 ops), Q8_0 (lm_head)"."""

@@ -79,8 +79,10 @@ def evaluate_folder(model_dir: Path, data: Path, adapter: Path | None = None, se
                     dtype: str = "float32") -> dict:
     """`pyml eval`: the loss and perplexity of the model in `model_dir` (with a LoRA `adapter`
     folded in) on every row of `data` (text windows of `seq` tokens, or JSONL examples), counted as
-    training counts its targets."""
-    from pyml.generate.decoding import load_model
+    training counts its targets. In float32 without an adapter the logits come from the decode step
+    on the weights as the folder stores them (no float32 copy: an 8B GGUF scores in its file's
+    memory); in float64, or with an adapter, from a float copy of the model."""
+    from pyml.generate.decoding import load_decoder, load_model
     from pyml.train import examples
     from pyml.train.data import load_corpus
     from pyml.train.folder_data import FolderTokens
@@ -89,7 +91,11 @@ def evaluate_folder(model_dir: Path, data: Path, adapter: Path | None = None, se
         raise PymlError("--seq and --batch must be at least 1")
     if dtype not in ("float32", "float64"):
         raise PymlError(f"--dtype must be float32 or float64, got {dtype}")
-    model = load_model(Path(model_dir), adapter=adapter, dtype=np.dtype(dtype))
+    if adapter is None and dtype == "float32":  # the weights as stored, through the decode step
+        scorer = load_decoder(Path(model_dir))
+        model = scorer.model
+    else:  # a float64 model, or the adapters folded into a float32 copy
+        scorer = model = load_model(Path(model_dir), adapter=adapter, dtype=np.dtype(dtype))
     if seq > model.MAX_SEQ_LEN:
         raise PymlError(f"--seq {seq} exceeds the model's max_seq_len {model.MAX_SEQ_LEN}")
     tokens = FolderTokens(Path(model_dir), model.VOCAB, model.SPEC_NAME)
@@ -100,6 +106,6 @@ def evaluate_folder(model_dir: Path, data: Path, adapter: Path | None = None, se
         counts = {"examples": rows.examples}
     else:
         inputs, targets = tokens.text_pairs(load_corpus(Path(data)), seq)
-    loss_sum, counted, _ = loss_over(model, inputs, targets, batch, positions)
+    loss_sum, counted, _ = loss_over(scorer, inputs, targets, batch, positions)
     loss = loss_sum / counted
     return {"loss": loss, "perplexity": math.exp(loss), "tokens": counted, "rows": len(inputs), **counts}
