@@ -93,8 +93,15 @@ def test_cli_refuses_in_one_line(gemma3_dir, args, message):
     assert len(lines) == 1 and message in lines[0], result.stderr
 
 
-def test_a_folder_without_its_spec_asks_for_one(gemma3_dir, tmp_path):
+def test_a_folder_without_its_spec_runs_the_spec_its_config_describes(gemma3_dir, tmp_path):
+    """As a Hugging Face folder as downloaded does: the spec made from config.json is the one
+    `pyml import-gguf` wrote (the same dims, windows and RoPE tables), so the same package runs."""
+    from pyml.formats.hf_import import folder_spec
+    from pyml.spec import load_spec
+
+    from pyml.spec import parse_spec
+
     folder = folder_copy(gemma3_dir, tmp_path / "no-spec")
     (folder / "spec.toml").unlink()
-    with pytest.raises(PymlError, match=r"spec.toml: missing .*give the model's spec with --spec"):
-        generation.load_model(folder)
+    written = load_spec(gemma3_dir / "spec.toml")
+    assert parse_spec(folder_spec(folder, name=written.name), "config.json") == written
