@@ -42,7 +42,6 @@ from pyml.errors import PymlError
 from pyml.formats.quant import GGMLType
 from pyml.formats.stored_tensors import StoredFolder
 from pyml.generate.stored_step import (
-    INT8_ACTIVATION_KINDS,
     StepModel,
     model_tensors,
     step_parameters,
@@ -50,6 +49,7 @@ from pyml.generate.stored_step import (
     with_int8_activations,
 )
 from pyml.package.base import BUFFER_SHAPES
+from pyml.package.decode_cpu import INT8_LAYER_KIND_OF
 
 WEIGHT_FORMATS = ("as-stored", "f32", "q8_0", "q4_0", "q4_1")
 ACTIVATION_FORMATS = ("f32", "q8_0")
@@ -236,11 +236,10 @@ class QuantizedDecoder:
         model = StepModel(package, step_parameters(step, tensors, n_layers, dtype), dtype)
         stored = step_weights(step, tensors, n_layers, QUANTIZE_TO.get(weights))
         if activations == "q8_0":
-            rounded = set(INT8_ACTIVATION_KINDS.values())
-            for prefix, _, _, parts in step.LINEARS:
-                columns = tensors[parts[0][0].format(l=0)].shape[1]
-                weight = stored.weights[prefix] = with_int8_activations(stored.weights[prefix], columns)
-                kinds = set(np.unique(weight[0]).tolist())
+            rounded = set(INT8_LAYER_KIND_OF.values())
+            for prefix, _, _, _ in step.LINEARS:
+                weight = stored.weights[prefix] = with_int8_activations(stored.weights[prefix])
+                kinds = set(np.unique(weight[2]).tolist())
                 if kinds & rounded:
                     stored.formats[prefix] += (" x Q8_0 activations" if kinds <= rounded
                                                else " (Q8_0 activations on its Q4_0, Q4_1 and Q8_0 layers)")

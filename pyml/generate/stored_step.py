@@ -9,36 +9,23 @@ biases: a few thousand values a layer) are read into small arrays (`StepModel`).
 
 A tensor the kernels cannot read in place (a type they do not take: Q5_1, Q2_K, Q3_K, Q5_K) is
 dequantized to float32 rows, that tensor only. `--weights q8_0/q4_0/q4_1` quantize each tensor in
-turn (llama.cpp's reference quantizer) and keep the quantized bytes; `--activations q8_0` repacks
-the Q4_0, Q4_1 and Q8_0 layers rows by 16 (a copy of those layers: pyml/package/quantized_dot.py
-says why it is faster).
+turn (llama.cpp's reference quantizer) and keep the quantized bytes; `--activations q8_0` runs the
+Q4_0, Q4_1 and Q8_0 layers on int8-rounded activations, their rows read where they are stored as
+every other layer's (no copy: pyml/package/quantized_dot.py says how).
 """
 
 from __future__ import annotations
 
-import ctypes
 from types import ModuleType, SimpleNamespace
 
 import numpy as np
 
 from pyml.errors import PymlError
-from pyml.formats.gguf_quantized import quantized_matrix
-from pyml.formats.quant import BLOCK_LAYOUT, GGMLType
+from pyml.formats.quant import GGMLType
 from pyml.formats.quantize import quantize
 from pyml.formats.stored_tensors import StoredTensor
 from pyml.package.base import DecoderModel, Device, device_rope_tables
-from pyml.package.decode_cpu import (
-    Q4_RUNS_OF_16_X8,
-    Q8_X8,
-    ROW_KIND_OF,
-    layer_kinds_of,
-    stored_weight,
-)
-from pyml.package.quantized_dot import QDOT_GROUP_ROWS
-
-# the types whose layers run on int8 activations under --activations q8_0, and their kind there
-INT8_ACTIVATION_KINDS = {GGMLType.Q4_0: Q4_RUNS_OF_16_X8, GGMLType.Q4_1: Q4_RUNS_OF_16_X8,
-                         GGMLType.Q8_0: Q8_X8}
+from pyml.package.decode_cpu import INT8_LAYER_KIND_OF, ROW_KIND_OF, stored_weight
 
 
 class StepModel:
@@ -71,13 +58,13 @@ class StepWeights:
 
 
 def model_tensors(model) -> dict[str, StoredTensor]:
-    """A generated package's Model's parameters (float32 or float64) as stored tensors: each a
-    view of the model's own buffer, so the step reads the model's values in place."""
+    """A generated package's CPU Model's parameters (float32 or float64) as stored tensors: each
+    a view of the model's own buffer (a tensor is a contiguous slice of it), so the step reads the
+    model's values in place."""
     float_type = {np.dtype(np.float32): GGMLType.F32, np.dtype(np.float64): GGMLType.F64}
-    host = model.host_tensors() if model.device.name != "cpu" else model.tensors(model.params)
     return {name: StoredTensor(name, float_type[array.dtype], tuple(array.shape),
                                np.ascontiguousarray(array).reshape(-1).view(np.uint8), None)
-            for name, array in host.items()}
+            for name, array in model.tensors(model.params).items()}
 
 
 def step_parameters(step: ModuleType, tensors: dict[str, StoredTensor], n_layers: int,
@@ -162,76 +149,9 @@ def step_weights(step: ModuleType, tensors: dict[str, StoredTensor], n_layers: i
     return weights
 
 
-def row_bytes_at(address: int, count: int) -> np.ndarray:
-    """The `count` bytes at `address` (a row the step reads), as a read-only view."""
-    view = np.ctypeslib.as_array((ctypes.c_uint8 * count).from_address(address))
-    view.flags.writeable = False
-    return view
-
-
-def rows_by_16(array: np.ndarray, per_block: int) -> np.ndarray:
-    """A layer's (rows, width) array in quantized_dot's rows-by-16 order, flat per group of 16 rows
-    (rows padded with zeros to a multiple of 16): per block of `per_block` elements of a row (16
-    bytes of 4-bit values, 32 of 8-bit ones, or 1 scale), its runs of 4 bytes (of a scale: the
-    scale), each run the 16 rows' in turn. (groups, 16 * width)."""
-    rows, width = array.shape
-    groups = -(-rows // QDOT_GROUP_ROWS)
-    padded = np.zeros((groups * QDOT_GROUP_ROWS, width), array.dtype)
-    padded[:rows] = array
-    run = 4 if per_block > 1 else 1
-    split = padded.reshape(groups, QDOT_GROUP_ROWS, width // per_block, per_block // run, run)
-    return np.ascontiguousarray(split.transpose(0, 2, 3, 1, 4)).reshape(groups, -1)
-
-
-def with_int8_activations(weight: tuple, columns: int) -> tuple:
-    """`weight` (rows of `columns` values) with each layer whose rows are all Q4_0, all Q4_1 or all
-    Q8_0 multiplying int8-rounded activations: its values, scales and offsets repacked rows by 16,
-    the scales and offsets as float16 (the GGUF's own precision, so the bytes a token reads are
-    the GGUF's), in arrays whose rows are padded to a multiple of 16 (pyml/package/decode_cpu.py
-    gives the layout); the other layers stay as they are."""
-    kinds, addresses, *_ = weight
-    in_place = {kind: ggml_type for ggml_type, kind in ROW_KIND_OF.items()}
-    layers, rows = kinds.shape
-    padded_rows = -(-rows // QDOT_GROUP_ROWS) * QDOT_GROUP_ROWS
-    repacked = {}
-    for layer in range(layers):
-        ggml_types = {in_place.get(int(kind)) for kind in np.unique(kinds[layer])}
-        if len(ggml_types) == 1 and next(iter(ggml_types)) in INT8_ACTIVATION_KINDS:
-            ggml_type = next(iter(ggml_types))
-            row_size = quantized_row_bytes(ggml_type, columns)
-            raw = np.concatenate([row_bytes_at(int(address), row_size) for address in addresses[layer]])
-            repacked[layer] = (ggml_type, quantized_matrix(raw, int(ggml_type), (rows, columns)).arrays)
-    if not repacked:
-        return weight
-    repacked_types = {ggml_type for ggml_type, _ in repacked.values()}
-    four_bit = repacked_types != {GGMLType.Q8_0}
-    # a 4-bit layer's values take columns / 2 bytes a row, a Q8_0 layer's columns
-    packed = np.zeros((layers, padded_rows, columns if GGMLType.Q8_0 in repacked_types else columns // 2),
-                      np.uint8)
-    scale = np.zeros((layers, padded_rows, -(-(columns // 32) // 2)), np.float32)
-    offset = np.zeros_like(scale) if four_bit else np.zeros((layers, padded_rows, 0), np.float32)
-    new_kinds = kinds.copy()
-    for layer, (ggml_type, arrays) in repacked.items():
-        new_kinds[layer] = INT8_ACTIVATION_KINDS[ggml_type]
-        q8 = ggml_type == GGMLType.Q8_0
-        values = arrays[0].view(np.uint8)
-        targets = [(packed, values, 32 if q8 else 16), (scale, arrays[1], 1)]
-        if not q8:
-            targets.append((offset, arrays[2], 1))
-        for stack, source, per_block in targets:
-            groups = stack[layer].reshape(padded_rows // QDOT_GROUP_ROWS, -1)
-            order = rows_by_16(source, per_block)
-            if per_block == 1:
-                with np.errstate(over="ignore"):  # an overflow is refused just below
-                    halves = order.astype(np.float16)
-                if not np.array_equal(halves.astype(np.float32), order, equal_nan=True):
-                    raise PymlError("a Q4_0, Q4_1 or Q8_0 block's scale or offset is not a float16 "
-                                    "value (out of its range): leave out --activations q8_0")
-                groups, order = groups.view(np.float16), halves
-            groups[:, :order.shape[1]] = order
-    return (new_kinds, addresses, layer_kinds_of(new_kinds), packed, scale, offset)
-
-
-def quantized_row_bytes(ggml_type: GGMLType, columns: int) -> int:
-    values_per_block, bytes_per_block = BLOCK_LAYOUT[ggml_type]
-    return columns // values_per_block * bytes_per_block
+def with_int8_activations(weight: tuple) -> tuple:
+    """`weight` with each layer whose rows are all Q4_0, all Q4_1 or all Q8_0 multiplying
+    int8-rounded activations (its layer kind Q4_0_X8, Q4_1_X8 or Q8_0_X8: pyml/package/decode_cpu.py);
+    the rows stay where they are stored, and the other layers as they are."""
+    kinds, addresses, layer_kinds = weight
+    return kinds, addresses, np.array([INT8_LAYER_KIND_OF.get(int(kind), kind) for kind in layer_kinds], np.uint8)

@@ -4,15 +4,15 @@ are stored, and the thread count of the pool's next parallel loops (the step wak
 its matrix-vector products and attention only).
 
 An op's weights arrive as one tuple, the same types for every format, so that one compiled step
-serves any mix of formats: (kinds, addresses, layer_kinds, packed, scale, offset). `kinds` (layers,
+serves any mix of formats: (kinds, addresses, layer_kinds). `kinds` (layers,
 rows) uint8 is the kind of each output row and `addresses` (layers, rows) uint64 the absolute
 address of its first byte, in a memory map of the model's file (a GGUF, a safetensors file) that
 the caller keeps open; the kernels read each row there, in the layout the file stores it
 (pyml/formats/quant.py), so no weight is copied. Rows of one layer may differ in kind (a Q4_K_M
 file's Q4_K and Q6_K rows, float rows beside quantized ones) and come in any order. `layer_kinds`
-(layers,) uint8 is each layer's kind: its rows' one kind, or MIXED; the kernels pick a layer's
-loop by it once, so that a layer of one kind runs a loop of that kind's code alone. A model-level
-weight (the tied LM head) has one layer.
+(layers,) uint8 is each layer's kind: its rows' one kind, MIXED, or an int8-activation kind
+(below); the kernels pick a layer's loop by it once, so that a layer of one kind runs a loop of
+that kind's code alone. A model-level weight (the tied LM head) has one layer.
 
     kind              a row's bytes (consecutive blocks)                        value
     ROW_F32, _F16,    little-endian floats                                      as stored
@@ -26,18 +26,15 @@ weight (the tied LM head) has one layer.
                       and mins, 128 bytes of nibbles
     ROW_Q6_K          210 per 256: 128 bytes of low nibbles, 64 of 2-bit        (d sc) (q - 32)
                       highs, 16 int8 scales, f16 d
-    Q4_RUNS_OF_16_X8  Q4_0 / Q4_1 rows by 16 in packed, scale, offset           int8 activations
-    Q8_X8             Q8_0 rows by 16 in packed, scale                          int8 activations
 
-The int8-activation kinds (`pyml generate --activations q8_0`; a layer's rows all of one of them)
-round the op's input to int8 first (quantized_dot.round_activations_q8), and multiply it by
-Q4_0/Q4_1 or Q8_0 weights repacked rows by 16 (pyml.generate.stored_step.with_int8_activations):
-`packed` (uint8), `scale` and `offset` (float32 columns holding float16 pairs) are (layers, rows
-padded to a multiple of 16, width), quantized_dot.py gives the order; width 0 where no layer is
-repacked, and a layer's arrays are read from the start of its rows, so the padding past a layer's
-own width is never read. Each dot product is pyml/package/quantized_dot.py's, so a linear map is
-the same function here as the exact model's (Lean law linear_input_adjoint's forward, matVec W v,
-W the block dequantization of the stored values).
+A layer whose rows are all ROW_Q8_0, all ROW_Q4_0 or all ROW_Q4_1 may instead have the layer kind
+Q8_0_X8, Q4_0_X8 or Q4_1_X8 (`pyml generate --activations q8_0`,
+pyml.generate.stored_step.with_int8_activations): its linear map rounds the op's input to int8
+first (quantized_dot.round_activations_q8) and multiplies it with integer block products, 16 rows
+at a time, the rows still read where they are stored (quantized_dot.py's section "int8
+activations" says how and why). Each dot product is pyml/package/quantized_dot.py's, so a linear
+map is the same function here as the exact model's (Lean law linear_input_adjoint's forward,
+matVec W v, W the block dequantization of the stored values).
 
 Numba's cache does not notice when a function a cached kernel calls changes in another file, so the
 generated decode modules carry this module's and quantized_dot's hash in their first line (as for
@@ -55,14 +52,12 @@ from numba.np.ufunc.parallel import _launch_threads
 
 from pyml.formats.quant import GGMLType
 from pyml.package.quantized_dot import (
+    INT8_Q4_0,
+    INT8_Q4_1,
+    INT8_Q8_0,
     QDOT_GROUP_ROWS,
     QDOT_INT8_SAMPLES,
-    q4_q8_rows_by_16,
-    q4_q8_rows_by_16_x4,
-    q4_q8_rows_by_16_x8,
-    q8_q8_rows_by_16,
-    q8_q8_rows_by_16_x4,
-    q8_q8_rows_by_16_x8,
+    int8_rows_by_16,
     round_activations_q8,
     stored_bf16_values,
     stored_f16_values,
@@ -80,9 +75,7 @@ from pyml.package.quantized_dot import (
 
 FAST = {"contract", "reassoc"}
 
-# the kind of each row (uint8 in a weight's `kinds`): the rows repacked for int8 activations, and
-# the rows read where they are stored
-Q4_RUNS_OF_16_X8, Q8_X8 = 6, 7
+# the kind of each row (uint8 in a weight's `kinds`)
 ROW_Q8_0, ROW_Q4_0, ROW_Q4_1, ROW_Q5_0, ROW_Q4_K, ROW_Q6_K, ROW_F32, ROW_F16, ROW_BF16, ROW_F64 = range(8, 18)
 ROW_KIND_OF = {GGMLType.F32: ROW_F32, GGMLType.F16: ROW_F16, GGMLType.BF16: ROW_BF16,
                GGMLType.F64: ROW_F64, GGMLType.Q8_0: ROW_Q8_0, GGMLType.Q4_0: ROW_Q4_0,
@@ -96,8 +89,13 @@ STORED_ROW_LOOPS = {ROW_F32: stored_f32_values, ROW_F16: stored_f16_values, ROW_
                     ROW_Q4_K: stored_q4_k_values, ROW_Q6_K: stored_q6_k_values}
 # a layer's kind (`layer_kinds`) where its rows are not all of one kind
 MIXED = 255
+# a layer's kind where its rows, all ROW_Q8_0, all ROW_Q4_0 or all ROW_Q4_1, multiply int8-rounded
+# activations (`pyml generate --activations q8_0`): the rows read where they are stored, as ever
+Q8_0_X8, Q4_0_X8, Q4_1_X8 = 5, 6, 7
+INT8_LAYER_KIND_OF = {ROW_Q8_0: Q8_0_X8, ROW_Q4_0: Q4_0_X8, ROW_Q4_1: Q4_1_X8}
 stored_row_products = stored_row_products_of(STORED_ROW_LOOPS)
 stored_row_dequantized = stored_row_values(STORED_ROW_LOOPS)
+rows_by_16 = int8_rows_by_16({Q8_0_X8: INT8_Q8_0, Q4_0_X8: INT8_Q4_0, Q4_1_X8: INT8_Q4_1})
 
 # The thread pool's symbols (get_num_threads, set_num_threads) are registered with LLVM when it
 # starts (numba's private _launch_threads, which its own get_num_threads calls first); a cached
@@ -140,19 +138,18 @@ def use_pool_threads(typingctx, count):
 @njit(parallel=True, fastmath=FAST)
 def linear_stored(weight, layer, x, y):
     """y[b] = W x[b] for each row b, W layer `layer` of `weight` in the stored form (kinds,
-    addresses, layer_kinds, packed, scale, offset; the module's docstring); x is (B, in), y (B,
-    out), float32 (ROW_F64 rows: float64), C-contiguous. One output row per iteration of the
-    parallel loop, read from memory once per step and decoded once per QDOT_SAMPLES sequences,
-    each y[b, row] summed in the same order whatever the batch. The layer's kind picks the loop
-    once: each kind has a parallel loop of its own that runs only its code (a MIXED layer's loop
-    picks each row's). The int8-activation kinds round every row of x on the calling thread, then
-    take 16 output rows per iteration, their weights unpacked once per 8 sequences (then 4, then
-    1), each sequence's sums its own likewise. No BLAS, so no BLAS thread wakes up."""
-    kinds, addresses, layer_kinds, packed, scale, offset = weight
+    addresses, layer_kinds; the module's docstring); x is (B, in), y (B, out), float32 (ROW_F64
+    rows: float64), C-contiguous. One output row per iteration of the parallel loop, read from
+    memory once per step and decoded once per QDOT_SAMPLES sequences, each y[b, row] summed in the
+    same order whatever the batch. The layer's kind picks the loop once: each kind has a parallel
+    loop of its own that runs only its code (a MIXED layer's loop picks each row's). The
+    int8-activation kinds round every row of x on the calling thread, then take 16 output rows per
+    iteration, their blocks put rows by 16 once per 8 sequences (then 4, then 1), each sequence's
+    sums its own likewise. No BLAS, so no BLAS thread wakes up."""
+    kinds, addresses, layer_kinds = weight
     kind, row_kinds, row_addresses = layer_kinds[layer], kinds[layer], addresses[layer]
     rows, batch = y.shape[1], y.shape[0]
-    if kind == Q4_RUNS_OF_16_X8 or kind == Q8_X8:
-        packed, scale, offset = packed[layer], scale[layer], offset[layer]
+    if kind == Q8_0_X8 or kind == Q4_0_X8 or kind == Q4_1_X8:
         columns = x.shape[1]
         x_values = np.empty((batch, columns), np.int8)
         x_scale = np.empty((batch, columns // 32), np.float32)
@@ -161,22 +158,31 @@ def linear_stored(weight, layer, x, y):
         by_8 = batch - batch % QDOT_INT8_SAMPLES  # rows of x taken 8, then 4, then 1 at a time
         by_4 = by_8 + (batch - by_8) // 4 * 4
         groups = (rows + QDOT_GROUP_ROWS - 1) // QDOT_GROUP_ROWS
-        if kind == Q4_RUNS_OF_16_X8:
+        # the kind is a literal in each call below: each loop holds that layout's code alone
+        if kind == Q8_0_X8:
             for group in prange(groups):
                 for b in range(0, by_8, 8):
-                    q4_q8_rows_by_16_x8(packed, scale, offset, x_values, x_scale, x_total, group, b, y)
+                    rows_by_16(Q8_0_X8, 8, row_addresses, x_values, x_scale, x_total, group, b, y)
                 for b in range(by_8, by_4, 4):
-                    q4_q8_rows_by_16_x4(packed, scale, offset, x_values, x_scale, x_total, group, b, y)
+                    rows_by_16(Q8_0_X8, 4, row_addresses, x_values, x_scale, x_total, group, b, y)
                 for b in range(by_4, batch):
-                    q4_q8_rows_by_16(packed, scale, offset, x_values, x_scale, x_total, group, b, y)
+                    rows_by_16(Q8_0_X8, 1, row_addresses, x_values, x_scale, x_total, group, b, y)
+        elif kind == Q4_0_X8:
+            for group in prange(groups):
+                for b in range(0, by_8, 8):
+                    rows_by_16(Q4_0_X8, 8, row_addresses, x_values, x_scale, x_total, group, b, y)
+                for b in range(by_8, by_4, 4):
+                    rows_by_16(Q4_0_X8, 4, row_addresses, x_values, x_scale, x_total, group, b, y)
+                for b in range(by_4, batch):
+                    rows_by_16(Q4_0_X8, 1, row_addresses, x_values, x_scale, x_total, group, b, y)
         else:
             for group in prange(groups):
                 for b in range(0, by_8, 8):
-                    q8_q8_rows_by_16_x8(packed, scale, x_values, x_scale, x_total, group, b, y)
+                    rows_by_16(Q4_1_X8, 8, row_addresses, x_values, x_scale, x_total, group, b, y)
                 for b in range(by_8, by_4, 4):
-                    q8_q8_rows_by_16_x4(packed, scale, x_values, x_scale, x_total, group, b, y)
+                    rows_by_16(Q4_1_X8, 4, row_addresses, x_values, x_scale, x_total, group, b, y)
                 for b in range(by_4, batch):
-                    q8_q8_rows_by_16(packed, scale, x_values, x_scale, x_total, group, b, y)
+                    rows_by_16(Q4_1_X8, 1, row_addresses, x_values, x_scale, x_total, group, b, y)
     # the kind is a constant in each call below: each loop holds that kind's code alone
     elif kind == ROW_Q8_0:
         for row in prange(rows):
@@ -240,9 +246,6 @@ def embedding_stored(weight, ids, out, scale):
     for n in range(ids.shape[0]):
         if ids[n] < 0 or ids[n] >= kinds.shape[0]:
             raise ValueError("token id out of range of the embedding table")
-        if kinds[ids[n]] == Q4_RUNS_OF_16_X8 or kinds[ids[n]] == Q8_X8:
-            raise ValueError("an embedding's rows are read where they are stored, not repacked for "
-                             "int8 activations: give it its own kinds")
     for n in prange(ids.shape[0]):
         kind, address = kinds[ids[n]], addresses[ids[n]]
         if kind == ROW_F64:
@@ -261,9 +264,8 @@ def layer_kinds_of(kinds: np.ndarray) -> np.ndarray:
 
 
 def stored_weight(kinds: np.ndarray, addresses: np.ndarray) -> tuple:
-    """The stored form (kinds, addresses, layer_kinds, packed, scale, offset) of an op none of
-    whose layers is on int8 activations (the repacked arrays empty): kinds (layers, rows) of ROW_*
-    kinds, addresses (layers, rows) of each row's first byte (`row_addresses`). The kernels read
+    """The stored form (kinds, addresses, layer_kinds) of an op on float activations: kinds
+    (layers, rows) of ROW_* kinds, addresses (layers, rows) of each row's first byte (`row_addresses`). The kernels read
     the rows through the addresses alone: the caller keeps the arrays (memory maps) holding them
     alive, and their rows whole (each row's bytes its kind's whole blocks of x.shape[1] values),
     while it runs them."""
@@ -274,9 +276,7 @@ def stored_weight(kinds: np.ndarray, addresses: np.ndarray) -> tuple:
     unknown = np.setdiff1d(kinds, list(STORED_ROW_LOOPS) + [ROW_F64])
     if unknown.size:
         raise ValueError(f"row kinds {unknown.tolist()} are not read where they are stored")
-    empty = (kinds.shape[0], kinds.shape[1], 0)
-    return (kinds, addresses, layer_kinds_of(kinds), np.zeros(empty, np.uint8), np.zeros(empty, np.float32),
-            np.zeros(empty, np.float32))
+    return kinds, addresses, layer_kinds_of(kinds)
 
 
 def row_addresses(data: np.ndarray, rows: int) -> np.ndarray:

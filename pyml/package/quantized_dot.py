@@ -1,6 +1,6 @@
 """The dot products of the fused decode step (decode_cpu.py, which imports them): of one weight
 row, read where its file stores it, with float32 rows of x; the dequantization of such a row (the
-embedding); and, for the decode step's --activations q8_0, the products of 16 repacked rows with
+embedding); and, for the decode step's --activations q8_0, the products of 16 rows at a time with
 int8-rounded activations (the section at the end).
 
 Each is a numba intrinsic that writes its loop in LLVM vector IR. The same loop written as Python
@@ -22,6 +22,8 @@ Numba's cache does not notice when a function a cached kernel calls changes in a
 generated kernel modules carry this module's hash in their first line (as for vector_math).
 """
 
+
+from typing import NamedTuple
 
 import numpy as np
 from llvmlite import ir
@@ -478,25 +480,29 @@ def stored_float64(typingctx, address, index):
 # same lanes come from generic vector IR. Both give the same integers, and everything after is the
 # same float32 arithmetic, so the two paths give the same results bit for bit.
 #
-# The weights are repacked for it (pyml/generate/stored_step.py's `rows_by_16`), as
-# llama.cpp's CPU "extra buffer types" repack them: 16 output rows in the 16 lanes, so that one
-# vpdpbusd multiplies 4 consecutive weights of each of 16 rows by the same 4 activations (broadcast
-# to every lane), the block scales of 16 rows are one vector, and no lane is ever summed across.
-# Measured on the development machine (2026-12-02, 2 threads, SmolLM2's three shapes, weights in
-# cache, best of 3): 87, 103 and 75 billion weights/s, against 30, 39 and 25 for an int8 dot of one
-# row at a time, which sums its lanes at the end of each row.
+# The products are taken 16 output rows at a time, in the order llama.cpp's CPU "extra buffer
+# types" repack the weights into: 16 rows in the 16 lanes, so that one vpdpbusd multiplies 4
+# consecutive weights of each of 16 rows by the same 4 activations (broadcast to every lane), the
+# block scales of 16 rows are one vector, and no lane is ever summed across. (2026-12-02, 2
+# threads, SmolLM2's three shapes, weights in cache: 87, 103 and 75 billion weights/s, against 30,
+# 39 and 25 for an int8 dot of one row at a time, which sums its lanes at the end of each row.)
 #
-#   rows by 16, 4-bit (Q4_0, Q4_1): per group of 16 rows and block of 32 values, 4 runs of 64
-#     bytes, run j holding, for each row r in turn, bytes 4j .. 4j + 3 of that row's 16 (low
-#     nibbles: values 4j .. 4j + 3; high nibbles: values 16 + 4j ..); then the next block.
-#     Scales and offsets per group and block: the 16 rows' in turn, as float16 (the GGUF's own
-#     precision: the rows of a token's products read the bytes the GGUF holds, 20 per 32 Q4_1
-#     weights instead of the 24 of float32 scales), a group's from the start of its 16 rows in
-#     an array of float32 columns, two float16 values each.
-#   rows by 16, 8-bit (Q8_0): likewise, 8 runs of 64 bytes per block, run j the 16 rows' values
-#     4j .. 4j + 3, read as w + 128 (unsigned) and the product corrected by 128 * sum(x).
-# A matrix's rows are padded with zero rows to a multiple of 16; the last group writes only the
-# rows the output has.
+#   rows by 16: per group of 16 rows and block of 32 values, runs of 64 bytes, run j holding, for
+#     each row r in turn, bytes 4j .. 4j + 3 of that row's block integers: 4 runs for Q4_0 and
+#     Q4_1 (low nibbles: values 4j .. 4j + 3; high nibbles: values 16 + 4j ..), 8 for Q8_0
+#     (values 4j .. 4j + 3, read as w + 128, unsigned, the product corrected by 128 * sum(x)).
+#     The 16 rows' scales (and Q4_1 offsets, Q4_0's -8 d) as one float32 vector per block.
+#
+# Until 2026-12-06 the layers were repacked so into a copy at load (twice the file's memory for a
+# Q8_0 model, about 4.7 s of 1.5B Q8_0's first token). Now each block of 16 rows is read where the
+# file stores it and put in that order in registers (qdot_transposed: 24 shuffles of a Q8_0 block, 8
+# of a Q4 one), once for up to 8 rows of x; the same integers and float32 steps, so the same bits.
+# Measured against the copy (2026-12-06, 2 threads, 12 matrices of 3 layers of the bench GGUFs,
+# alternated): 1.5B Q8_0 one sequence 3.7 ms against 3.0, 32 sequences 15.6 against 13.1; 8B Q4_0
+# 7.9 against 7.6 and 61.7 against 52.6. Taking all rows of x per transposed block (sums in memory)
+# was no faster; a one-row-at-a-time int8 dot for decode (not tried) would need a sum across lanes
+# per block to keep these bits. The last group of a matrix whose rows are not a multiple of 16 reads its last row again in
+# the lanes past it and writes only the rows the output has.
 #
 # The rounding changes the results: a product's relative error grows from float32's 1e-7 to about
 # 5e-3 (1/254 of a block's largest value per activation). So it is an option, off by default.
@@ -543,39 +549,95 @@ def qdot_splat_lanes(builder, scalar, element):
                                   ir.Constant(qdot_vector_type(QDOT_I32, 16), [0] * 16))
 
 
-def qdot_halves(builder, group, block):
-    """The 16 rows' float16 scales (or offsets) of `block`, widened to float32 (exactly)."""
-    halves = qdot_load(builder, group, builder.mul(block, qdot_index(16)), QDOT_F16, 16)
-    return builder.fpext(halves, qdot_vector_type(QDOT_F32, 16))
+class Int8RowLayout(NamedTuple):
+    """Where a Q8_0, Q4_0 or Q4_1 block of 32 values keeps its parts, as the file stores it."""
+
+    block_bytes: int  # 34, 18, 20
+    values_at: int  # the byte of its integers: 32 int8 values, or 16 bytes of nibbles
+    four_bit: bool  # nibbles (Q4_0, Q4_1: value = q * d + offset) or int8 (Q8_0: value = q * d)
+    offset_at: int | None  # the byte of Q4_1's float16 offset m; None: Q4_0's, -8 * d (Q8_0: unused)
 
 
-def qdot_int8_group(context, builder, signature, args, four_bit, count):
+INT8_Q8_0 = Int8RowLayout(34, 2, False, None)
+INT8_Q4_0 = Int8RowLayout(18, 2, True, None)
+INT8_Q4_1 = Int8RowLayout(20, 4, True, 2)
+
+
+def qdot_transposed(builder, rows):
+    """The 16 rows' words in lanes: `rows` 16 vectors <D x i32> (D = 4 or 8, a block's integers),
+    returned as D vectors <16 x i32>, vector j holding word j of row r in lane r (the rows-by-16
+    order above). Built as a network of two-vector shuffles (each one vpermt2d on AVX-512): the rows
+    concatenated into D vectors of 16 lanes, then log2(D) stages, each pairing vectors whose index
+    differs in bit s and sending the words whose index j has bit s clear to the first, set to the
+    second; after the last, vector j holds word j of every row. The plan is built here, at compile
+    time, from labels (row, word) of every lane."""
+    words = rows[0].type.count
+    vectors = [(vector, [(r, j) for j in range(words)]) for r, vector in enumerate(rows)]
+
+    def shuffle(first, second, picks):
+        (a, a_labels), (b, b_labels) = first, second
+        labels = a_labels + b_labels
+        mask = ir.Constant(qdot_vector_type(QDOT_I32, len(picks)), picks)
+        return builder.shuffle_vector(a, b, mask), [labels[i] for i in picks]
+
+    while len(vectors[0][1]) < QDOT_GROUP_ROWS:  # concatenate neighbours
+        vectors = [shuffle(vectors[k], vectors[k + 1], list(range(2 * len(vectors[k][1]))))
+                   for k in range(0, len(vectors), 2)]
+    stage = 1
+    while stage < words:
+        paired = list(vectors)
+        for a in range(words):
+            if a & stage:
+                continue
+            labels = vectors[a][1] + vectors[a | stage][1]
+            for target, bit in ((a, 0), (a | stage, stage)):
+                picks = sorted((i for i, (_, j) in enumerate(labels) if j & stage == bit),
+                               key=lambda i: (labels[i][1], labels[i][0]))
+                paired[target] = shuffle(vectors[a], vectors[a | stage], picks)
+        vectors, stage = paired, 2 * stage
+    assert all(labels == [(r, j) for r in range(QDOT_GROUP_ROWS)] for j, (_, labels) in enumerate(vectors))
+    return [vector for vector, _ in vectors]
+
+
+def qdot_halves(builder, blocks, at):
+    """The float16 at byte `at` of each of the 16 rows' blocks (i8 pointers), widened to float32
+    (exactly), in lane r for row r."""
+    half_lanes = qdot_vector_type(QDOT_F16, QDOT_GROUP_ROWS)
+    vector = ir.Constant(half_lanes, ir.Undefined)
+    for r, block in enumerate(blocks):
+        pointer = builder.bitcast(builder.gep(block, [qdot_index(at)]), QDOT_F16.as_pointer())
+        vector = builder.insert_element(vector, builder.load(pointer, align=1), ir.Constant(QDOT_I32, r))
+    return builder.fpext(vector, qdot_vector_type(QDOT_F32, QDOT_GROUP_ROWS))
+
+
+def qdot_int8_group(context, builder, signature, args, layout, count):
     """The 16 outputs of row group `group` for rows sample .. sample + count - 1 of x (rounded)
-    and y: the codegen of the rows-by-16 intrinsics (four_bit: Q4_0, Q4_1; else Q8_0). A block's
-    16 rows of weights are loaded, and their nibbles split, once for all `count` rows; each row
-    keeps its own sums and takes the same float32 steps as it does alone (count 1), so its
-    outputs are the same bits."""
-    names = ("values", "scale", "offset") if four_bit else ("values", "scale")
-    arrays = dict(zip(names + ("x_values", "x_scale", "x_total", "group", "sample", "y"),
-                      zip(signature.args, args)))
+    and y: the codegen of `int8_rows_by_16` (`layout`: the rows' block layout). Each block of the
+    16 rows is read where the file stores it and put rows by 16 in registers (qdot_transposed),
+    once for all `count` rows of x; each row of x keeps its own sums and takes the same float32
+    steps as it does alone (count 1), so its outputs are the same bits."""
+    names = ("addresses", "x_values", "x_scale", "x_total", "group", "sample", "y")
+    arrays = dict(zip(names, zip(signature.args[2:], args[2:])))
 
     def data(name):
         array_type, value = arrays[name]
         return context.make_array(array_type)(context, builder, value)
 
-    values, scale, y = data("values"), data("scale"), data("y")
+    addresses, y = data("addresses"), data("y")
+    rows = builder.extract_value(y.shape, 1)
     first_row = builder.mul(arrays["group"][1], qdot_index(QDOT_GROUP_ROWS))
-    group_values = builder.gep(values.data, [builder.mul(first_row, builder.extract_value(values.shape, 1))])
-    # a group's float16 scales start at its first row (the stack's rows may be wider than a layer's
-    # blocks, and hold float32 columns: two float16 values each)
-    scale_stride = builder.extract_value(scale.shape, 1)
-
-    def group_halves(array):
-        start = builder.gep(array.data, [builder.mul(first_row, scale_stride)])
-        return builder.bitcast(start, QDOT_F16.as_pointer())
-
-    group_scales = group_halves(scale)
-    group_offsets = group_halves(data("offset")) if four_bit else None
+    # the rows of this group and the next (the last group's rows past the matrix read its last row
+    # again; their outputs are not stored)
+    last_row = builder.sub(rows, qdot_index(1))
+    row_bytes = []
+    for r in range(2 * QDOT_GROUP_ROWS):
+        row = builder.add(first_row, qdot_index(r))
+        row = builder.select(builder.icmp_signed("<", row, rows), row, last_row)
+        address = builder.load(builder.gep(addresses.data, [row]))
+        row_bytes.append(builder.inttoptr(address, QDOT_I8.as_pointer()))
+    row_bytes, next_row_bytes = row_bytes[:QDOT_GROUP_ROWS], row_bytes[QDOT_GROUP_ROWS:]
+    prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+        ir.VoidType(), [QDOT_I8.as_pointer(), QDOT_I32, QDOT_I32, QDOT_I32]), "llvm.prefetch.p0i8")
     x_values_array, x_scale_array = data("x_values"), data("x_scale")
     n_blocks = builder.extract_value(x_scale_array.shape, 1)
     n_columns = builder.extract_value(x_values_array.shape, 1)
@@ -586,10 +648,22 @@ def qdot_int8_group(context, builder, signature, args, four_bit, count):
     float_lanes = qdot_vector_type(QDOT_F32, 16)
     products = [cgutils.alloca_once_value(builder, ir.Constant(float_lanes, [0.0] * 16)) for _ in samples]
     offsets = [cgutils.alloca_once_value(builder, ir.Constant(float_lanes, [0.0] * 16)) for _ in samples]
-    runs = 4 if four_bit else 8
+    four_bit = layout.four_bit
+    words = 4 if four_bit else 8  # a block's integers: 16 bytes of nibbles, or 32 int8
     with cgutils.for_range(builder, n_blocks) as loop:
         block = loop.index
-        block_values = builder.gep(group_values, [builder.mul(block, qdot_index(64 * runs))])
+        at = builder.mul(block, qdot_index(layout.block_bytes))
+        blocks = [builder.gep(row, [at]) for row in row_bytes]
+        # 16 rows are 16 short streams, which the CPU's prefetcher does not follow: the next
+        # group's rows are fetched while this one runs (1.5B Q8_0, 16 matrices, one sequence:
+        # 9.8 ms against 11.7 without; 2026-12-06)
+        for row in next_row_bytes:
+            builder.call(prefetch, [builder.gep(row, [at]), ir.Constant(QDOT_I32, 0), ir.Constant(QDOT_I32, 3),
+                                    ir.Constant(QDOT_I32, 1)])
+        stored = [builder.load(builder.bitcast(builder.gep(start, [qdot_index(layout.values_at)]),
+                                               qdot_vector_type(QDOT_I32, words).as_pointer()), align=1)
+                  for start in blocks]
+        runs = [builder.bitcast(run, qdot_vector_type(QDOT_I8, 64)) for run in qdot_transposed(builder, stored)]
 
         def activations(index, start):  # row index's 4 int8 activations from `start`, in every lane
             block_x = builder.gep(x_rows[index], [builder.add(builder.mul(block, qdot_index(32)), qdot_index(start))])
@@ -597,8 +671,7 @@ def qdot_int8_group(context, builder, signature, args, four_bit, count):
             return qdot_splat_lanes(builder, word, QDOT_I32)
 
         integers = [ir.Constant(qdot_vector_type(QDOT_I32, 16), [0] * 16) for _ in samples]
-        for run in range(runs):
-            packed = qdot_load(builder, block_values, qdot_index(64 * run), QDOT_I8, 64)
+        for run, packed in enumerate(runs):
             if four_bit:  # low nibbles: values 4 run + i; high ones: 16 + 4 run + i
                 low, high = builder.and_(packed, qdot_bytes(15, 64)), builder.lshr(packed, qdot_bytes(4, 64))
                 for index in range(count):
@@ -610,8 +683,11 @@ def qdot_int8_group(context, builder, signature, args, four_bit, count):
                 for index in range(count):
                     integers[index] = qdot_byte_dots(builder, integers[index], unsigned,
                                                      activations(index, 4 * run))
-        row_scales = qdot_halves(builder, group_scales, block)
-        row_offsets = qdot_halves(builder, group_offsets, block) if four_bit else None
+        row_scales = qdot_halves(builder, blocks, 0)
+        if four_bit and layout.offset_at is not None:
+            row_offsets = qdot_halves(builder, blocks, layout.offset_at)
+        elif four_bit:  # Q4_0: (q - 8) d = q d + (-8 d), -8 d exact in float32
+            row_offsets = builder.fmul(row_scales, ir.Constant(float_lanes, [-8.0] * 16))
         for index in range(count):
             total = builder.load(builder.gep(total_rows[index], [block]))
             block_integers = integers[index]
@@ -630,7 +706,6 @@ def qdot_int8_group(context, builder, signature, args, four_bit, count):
                               offsets[index])
     # a float64 model's step compiles this branch too (it never runs it): y may be float64
     y_element = context.get_value_type(arrays["y"][0].dtype)
-    rows = builder.extract_value(y.shape, 1)
     left = builder.sub(rows, first_row)
     for index, sample in enumerate(samples):
         result = builder.fadd(builder.load(products[index]), builder.load(offsets[index]))
@@ -646,41 +721,36 @@ def qdot_int8_group(context, builder, signature, args, four_bit, count):
     return context.get_dummy_value()
 
 
-def q4_q8_groups(count):
-    @intrinsic
-    def q4_q8_rows_by_16(typingctx, values, scale, offset, x_values, x_scale, x_total, group, sample, y):
-        """y[sample + i, 16 g .. 16 g + 15] = W x[sample + i] for i < count and g = `group`, W in 4
-        bits (Q4_0, Q4_1) repacked rows by 16 (values (rows padded, in / 2) uint8, scale and
-        offset float32 (rows padded, at least in / 64) holding float16 pairs, in the order above)
-        and x rounded by `round_activations_q8` (x_values (B, in) int8, x_scale (B, in / 32)
-        float32, x_total (B, in / 32) int32); y (B, rows) float32."""
-        qdot_check(values, scale, offset, x_values, x_scale, x_total, y)
-        return (types.none(values, scale, offset, x_values, x_scale, x_total, group, sample, y),
+def int8_rows_by_16(layouts):
+    """The intrinsic f(kind, count, addresses, x_values, x_scale, x_total, group, sample, y):
+    y[sample + i, 16 g .. 16 g + 15] = W x[sample + i] for i < count and g = `group`, W the rows
+    whose first bytes are at `addresses` ((rows,) uint64), in the layout layouts[kind] (an
+    Int8RowLayout), and x rounded by `round_activations_q8` (x_values (B, in) int8, x_scale (B, in /
+    32) float32, x_total (B, in / 32) int32); y (B, rows) float32. kind and count are literals:
+    each call compiles that layout's and count's code alone."""
+
+    @intrinsic(prefer_literal=True)
+    def rows_by_16(typingctx, kind, count, addresses, x_values, x_scale, x_total, group, sample, y):
+        for literal in (kind, count):
+            if not isinstance(literal, types.IntegerLiteral):
+                raise TypeError(f"an int8 group's kind and count are literal integers, not {literal}")
+        if kind.literal_value not in layouts:
+            raise TypeError(f"kind {kind.literal_value} has no int8 row layout")
+        if not isinstance(addresses, types.Array) or addresses.ndim != 1 or addresses.dtype != types.uint64:
+            raise TypeError(f"a group's rows are given by a 1-D uint64 array of addresses, not {addresses}")
+        qdot_check(x_values, x_scale, x_total, y)
+        layout, samples = layouts[kind.literal_value], count.literal_value
+        return (types.none(kind, count, addresses, x_values, x_scale, x_total, group, sample, y),
                 lambda context, builder, signature, args: qdot_int8_group(context, builder, signature, args,
-                                                                          True, count))
+                                                                          layout, samples))
 
-    return q4_q8_rows_by_16
-
-
-def q8_q8_groups(count):
-    @intrinsic
-    def q8_q8_rows_by_16(typingctx, values, scale, x_values, x_scale, x_total, group, sample, y):
-        """As q4_q8_groups' for W in 8 bits (Q8_0): values (rows padded, in) int8 or its bytes,
-        scale float32 (rows padded, at least in / 64) holding float16 pairs."""
-        qdot_check(values, scale, x_values, x_scale, x_total, y)
-        return (types.none(values, scale, x_values, x_scale, x_total, group, sample, y),
-                lambda context, builder, signature, args: qdot_int8_group(context, builder, signature, args,
-                                                                          False, count))
-
-    return q8_q8_rows_by_16
+    return rows_by_16
 
 
-# an int8 group's weights are unpacked once per 8 rows of x (then 4, then 1): each row's integer
-# products are a few instructions, so the unpacking is a larger share than in the float products
-# (SmolLM2, 8 sequences: 10.0 ms a step against 11.9 with 4 at a time; 2026-12-04)
+# an int8 group's weights are put rows by 16 once per 8 rows of x (then 4, then 1): each row's
+# integer products are a few instructions, so the unpacking is a larger share than in the float
+# products (SmolLM2, 8 sequences: 10.0 ms a step against 11.9 with 4 at a time; 2026-12-04)
 QDOT_INT8_SAMPLES = 8
-q4_q8_rows_by_16, q4_q8_rows_by_16_x4, q4_q8_rows_by_16_x8 = (q4_q8_groups(count) for count in (1, 4, 8))
-q8_q8_rows_by_16, q8_q8_rows_by_16_x4, q8_q8_rows_by_16_x8 = (q8_q8_groups(count) for count in (1, 4, 8))
 
 
 # the bits of |x| for float32 x (sign cleared), and the least such bits of an infinity or a NaN:

@@ -1,8 +1,8 @@
 """The generated fused decode step (gen/<name>/decode_cpu.py) and its linear maps on int8
 activations.
 
-- The products on int8 activations (--activations q8_0, `linear_stored` on layers repacked by
-  pyml.generate.stored_step.with_int8_activations) equal the exact model's matVec (pyml/exact.py)
+- The products on int8 activations (--activations q8_0, `linear_stored` on layers given int8 kinds
+  by pyml.generate.stored_step.with_int8_activations, their rows read in place) equal the exact model's matVec (pyml/exact.py)
   bit for bit, with integers up to 127 that the rounding keeps exactly, also beside a layer that
   keeps float32 activations.
 - The rounding of activations to int8 equals gguf's Q8_0 quantizer (llama.cpp's reference), and
@@ -30,7 +30,7 @@ from pyml.generate.quantized import QuantizedDecoder, check_weights
 from pyml.generate.stored_step import with_int8_activations
 from pyml.package import quantized_dot
 from pyml.package.decode_cpu import (
-    Q4_RUNS_OF_16_X8,
+    Q4_1_X8,
     ROW_KIND_OF,
     ROW_Q4_K,
     linear_stored,
@@ -39,7 +39,7 @@ from pyml.package.decode_cpu import (
 )
 from tests.support.llama_tiny_reference import reference_logits
 from tests.support.project_packages import project_package
-from tests.support.quantized_cases import exact_weights, gguf_weights, half_bytes
+from tests.support.quantized_cases import exact_weights, gguf_weights
 
 tiny = project_package("llama_tiny").model
 decode_cpu_step = importlib.import_module(project_package("llama_tiny").__name__ + ".decode_cpu")
@@ -56,7 +56,7 @@ def stored_layers(layers, rows):
 
 def int8_step_weight(raw, ggml, rows, columns, int8_activations):
     weight = stored_layers([(raw, ggml)], rows)
-    return with_int8_activations(weight, columns) if int8_activations else weight
+    return with_int8_activations(weight) if int8_activations else weight
 
 
 def exact_int8_input(rng, columns):
@@ -80,22 +80,19 @@ def test_int8_activation_rows_equal_the_exact_mat_vec(ggml, blocks):
     y = written[:, :rows]
     linear_stored(weight, 0, x.astype(np.float32), y)
     assert np.isnan(written[0, rows:]).all()  # the last group of 16 rows wrote only its 5
-    assert weight[4].shape[2] == -(-blocks // 2)  # float16 scales: half as many float32 columns
     assert np.array_equal(rounded(x.astype(np.float32))[0], x)  # the rounding keeps the integers
     expected = exact.mat_vec(weights.astype(np.int64).tolist(), x[0].tolist())
     assert np.array_equal(y[0], np.array(expected, dtype=np.float64))
 
 
 def test_int8_layers_share_a_stack_with_float_activation_layers():
-    """A Q4_1 layer on int8 activations beside a Q4_K layer, which keeps float32 activations and
-    its rows in place (Q4_K has no int8 kind): the Q4_1 layer reads its float16 scales from the
-    start of its rows, and both layers equal their exact matVec."""
+    """A Q4_1 layer on int8 activations beside a Q4_K layer, which keeps float32 activations (Q4_K
+    has no int8 kind): both layers equal their exact matVec."""
     rng = np.random.default_rng(12)
     rows, columns = 37, 256
     layers = [(*exact_weights(ggml, rows, columns, rng), ggml) for ggml in (GGML.Q4_1, GGML.Q4_K)]
-    weight = with_int8_activations(stored_layers([(raw, ggml) for raw, _, ggml in layers], rows), columns)
-    assert weight[2].tolist() == [Q4_RUNS_OF_16_X8, ROW_Q4_K]
-    assert weight[4].shape[2] == columns // 32 // 2
+    weight = with_int8_activations(stored_layers([(raw, ggml) for raw, _, ggml in layers], rows))
+    assert weight[2].tolist() == [Q4_1_X8, ROW_Q4_K]
     # int8-exact activations for the Q4_1 layer; small ones for Q4_K, whose products are larger
     inputs = (exact_int8_input(rng, columns), rng.integers(-8, 9, (1, columns)))
     for layer, ((_, weights, _), x) in enumerate(zip(layers, inputs)):
@@ -103,15 +100,6 @@ def test_int8_layers_share_a_stack_with_float_activation_layers():
         linear_stored(weight, layer, x.astype(np.float32), y)
         expected = exact.mat_vec(weights.astype(np.int64).tolist(), x[0].tolist())
         assert np.array_equal(y[0], np.array(expected, dtype=np.float64))
-
-
-def test_a_scale_beyond_float16_is_refused_before_decoding():
-    """The int8 kinds read float16 scales; a block whose offset float16 cannot hold (a Q4_0 offset
-    is -8 times its scale) is refused, not rounded."""
-    raw, _ = exact_weights(GGML.Q4_0, 16, 64, np.random.default_rng(2))
-    raw.reshape(16, 2, 18)[3, 1, :2] = half_bytes(np.array([60000.0]))
-    with pytest.raises(PymlError, match="not a float16 value"):
-        int8_step_weight(raw, GGML.Q4_0, 16, 64, int8_activations=True)
 
 
 def rounded(x):
@@ -189,7 +177,7 @@ bits = []
 for ggml in (GGMLType.Q4_1, GGMLType.Q8_0):
     raw = quantize(rng.normal(0, 0.05, (rows, columns)).astype(np.float32), ggml).reshape(-1)
     weight = stored_weight(np.full((1, rows), ROW_KIND_OF[ggml]), row_addresses(raw, rows)[None])
-    weight = with_int8_activations(weight, columns)
+    weight = with_int8_activations(weight)
     y = np.zeros((1, rows), np.float32)
     linear_stored(weight, 0, x, y)
     bits.append(y.tobytes().hex())

@@ -22,8 +22,8 @@ from pyml import exact
 from pyml.formats.gguf_quantized import BLOCKS
 from pyml.formats.quant import GGMLType, dequantize
 from pyml.package.decode_cpu import (
-    Q4_RUNS_OF_16_X8,
-    Q8_X8,
+    INT8_LAYER_KIND_OF,
+    Q8_0_X8,
     ROW_F64,
     ROW_KIND_OF,
     embedding_stored,
@@ -179,20 +179,21 @@ def test_float64_rows_run_exactly_in_float64():
 
 @pytest.mark.parametrize("ggml", (GGML.Q8_0, GGML.Q4_0, GGML.Q4_1), ids=lambda t: t.name)
 def test_int8_activation_layers_beside_layers_read_in_place(ggml):
-    """A layer repacked rows by 16 (37 rows: two whole groups and one of 5) gives gguf's
+    """A layer on int8 activations (37 rows: two whole groups of 16 and one of 5) gives gguf's
     dequantization times the rounded activations (tests/generate/test_quantized_decoding.py has
-    it exactly), for 1 to 13 sequences (8, 4 and 1 at a time), each sequence's bits its own; the
-    other layer, read in place, is not touched by the repacking."""
+    it exactly), for 1 to 13 sequences (8, 4 and 1 at a time), each sequence's bits its own; its
+    rows keep their kinds and addresses, and the other layer, on float activations, is as it was."""
     from pyml.generate.stored_step import with_int8_activations
 
     rng = np.random.default_rng(7)
     rows, columns = 37, 256
     raw, other = real_rows(ggml, rows, columns, rng), real_rows(GGML.Q6_K, rows, columns, rng)
-    stored = with_int8_activations(stored_weight(
+    in_place = stored_weight(
         np.stack([np.full(rows, ROW_KIND_OF[ggml]), np.full(rows, ROW_KIND_OF[GGML.Q6_K])]),
-        np.stack([row_addresses(raw, rows), row_addresses(other, rows)])), columns)
-    assert stored[2][0] in (Q4_RUNS_OF_16_X8, Q8_X8) and (stored[0][0] == stored[2][0]).all()
-    assert stored[2][1] == ROW_KIND_OF[GGML.Q6_K]
+        np.stack([row_addresses(raw, rows), row_addresses(other, rows)]))
+    stored = with_int8_activations(in_place)
+    assert stored[2].tolist() == [INT8_LAYER_KIND_OF[ROW_KIND_OF[ggml]], ROW_KIND_OF[GGML.Q6_K]]
+    assert stored[0] is in_place[0] and stored[1] is in_place[1]
     weights = decoded(raw, ggml, rows, columns).astype(np.float64)
     for batch in (1, 4, 5, 13):
         x = rng.normal(0, 1, (batch, columns)).astype(np.float32)
@@ -219,20 +220,17 @@ def test_embedding_rows_are_dequantizes_bits_times_the_scale(ggml):
         assert np.array_equal(out.view(np.int32), (table[ids] * scale).view(np.int32))
 
 
-def test_an_embedding_refuses_ids_outside_its_table_and_repacked_rows():
+def test_an_embedding_refuses_ids_outside_its_table():
     raw = real_rows(GGML.Q8_0, 4, 32, np.random.default_rng(9))
     weight, out = one_layer(raw, GGML.Q8_0, 4), np.zeros((1, 32), np.float32)
     for bad in (4, -1):
         with pytest.raises(ValueError, match="token id out of range of the embedding table"):
             embedding_stored(weight, np.array([bad]), out, np.float32(1.0))
-    repacked = (np.full((1, 4), Q8_X8, np.uint8),) + weight[1:]
-    with pytest.raises(ValueError, match="not repacked for int8 activations"):
-        embedding_stored(repacked, np.array([0]), out, np.float32(1.0))
 
 
 def test_the_stored_form_refuses_what_it_cannot_read():
-    with pytest.raises(ValueError, match=r"row kinds \[6\] are not read where they are stored"):
-        stored_weight(np.full((1, 2), Q4_RUNS_OF_16_X8), np.zeros((1, 2), np.uint64))
+    with pytest.raises(ValueError, match=r"row kinds \[5\] are not read where they are stored"):
+        stored_weight(np.full((1, 2), Q8_0_X8), np.zeros((1, 2), np.uint64))  # a layer's kind, no row's
     with pytest.raises(ValueError, match="one \\(layers, rows\\) shape"):
         stored_weight(np.zeros((1, 2)), np.zeros((2, 1), np.uint64))
 
