@@ -297,7 +297,7 @@ def generate(
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     adapter: Annotated[Path | None, typer.Option(help="A LoRA checkpoint (or peft adapter folder) of --model, folded into its weights in memory as `pyml merge-lora` folds it.")] = None,
     weights: Annotated[str, typer.Option(help="The linear maps' weights while decoding: as-stored (as the folder stores them, its GGUF's or safetensors' rows read in place by memory map: about the file's size in memory), q8_0, q4_0 or q4_1 (quantized at load, a tensor at a time), or f32 (a float32 copy of every weight). All but f32 run the generated decode step of the --device.")] = "as-stored",
-    activations: Annotated[str, typer.Option(help="What quantized weights multiply: f32, or q8_0 (rounded to int8 per 32 values as llama.cpp does: faster, less exact, so tokens may differ). Q4_0, Q4_1 and Q8_0 weights only, repacked into a copy of those layers, on the CPU.")] = "f32",
+    activations: Annotated[str, typer.Option(help="What quantized weights multiply: f32, or q8_0 (rounded to int8 per 32 values as llama.cpp does: faster, less exact, so tokens may differ). Q4_0, Q4_1 and Q8_0 weights only, on the CPU.")] = "f32",
 ) -> None:
     """Generate text with the generated package of the folder's spec and a KV cache, streaming
     tokens as they come."""

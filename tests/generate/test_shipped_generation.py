@@ -17,14 +17,14 @@ from tests.support.shipped import NEW_TOKENS, PROMPTS
 # float32, other summation orders: largest logit difference to transformers on the first prompt
 # (measured: SmolLM2 a few 1e-4 over 30 layers, Gemma 3 3.2e-5 over 18, on logits of magnitude ~20)
 LOGIT_TOLERANCE = {"smollm2": 2e-3, "gemma3": 2e-4}
-# the formats of the shipped files' linear maps: SmolLM2's Q4_1 projections and Q8_0 tied head;
-# Gemma's Q4_K_M keeps all quantized (ffn_down Q4_K in some layers, Q6_K in others) but q, k, v,
-# whose v is Q8_0 in some layers beside Q5_0 q and k: float32 rows
+# the formats of the shipped files' linear maps and embedding, read where the GGUF stores them:
+# SmolLM2's Q4_1 projections and Q8_0 tied head; Gemma's Q4_K_M, its q, k and v Q5_0 but v Q8_0
+# in some layers, ffn_down Q4_K in some layers and Q6_K in others
 FORMATS = {
     "smollm2": {"self_attn_qkv": "Q4_1", "self_attn_o": "Q4_1", "mlp_gate_up": "Q4_1", "mlp_down": "Q4_1",
-                "lm_head": "Q8_0"},
-    "gemma3": {"self_attn_qkv": "F32", "self_attn_o": "Q4_K", "mlp_gate_up": "Q5_0", "mlp_down": "Q4_K/Q6_K",
-               "lm_head": "Q8_0"},
+                "lm_head": "Q8_0", "embed": "Q8_0"},
+    "gemma3": {"self_attn_qkv": "Q5_0/Q8_0", "self_attn_o": "Q4_K", "mlp_gate_up": "Q5_0",
+               "mlp_down": "Q4_K/Q6_K", "lm_head": "Q8_0", "embed": "Q8_0"},
 }
 CASES = [(family, prompt) for family, prompts in PROMPTS.items() for prompt in prompts]
 

@@ -413,7 +413,7 @@ def test_a_real_model_learns_its_chats_and_training_scores_them_as_pyml_eval_doe
     folder = families[family]
     if family == "gemma3":  # the template's folder, with the imported model's weights and spec
         folder = shutil.copytree(folder, tmp_path / "model")
-        for name in ("model.safetensors", "spec.toml"):
+        for name in ("source.gguf", "spec.toml"):
             (folder / name).symlink_to(gemma3_dir / name)
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps({"messages": CONVERSATION[:3] if n % 2 else CONVERSATION}) + "\n"
