@@ -26,12 +26,15 @@ class Parameters:
 
     SIZE = 17226
     FROZEN_SIZE = 0
+    MAPS_SIZE = 0
+    # each frozen linear map's weight: its parts in tensor files ("{l}": the layer) and their rows
+    MAPS = {}
     # where each parameter sits in `flat`: checkpoints store the optimizer state as flat buffers
     # and record this, so a state saved under another layout is refused rather than misapplied
     LAYOUT = "fc1(128,64) fc1_bias(128) fc2(64,128) fc2_bias(64) fc3(10,64) fc3_bias(10)"
 
-    def __init__(self, flat, frozen=None):
-        self.flat, self.frozen = flat, frozen
+    def __init__(self, flat, frozen=None, maps=None):
+        self.flat, self.frozen, self.maps = flat, frozen, maps
         self.fc1 = flat[0:8192].reshape((128, 64))
         self.fc1_bias = flat[8192:8320].reshape((128,))
         self.fc2 = flat[8320:16512].reshape((64, 128))

@@ -41,12 +41,15 @@ class Parameters:
 
     SIZE = 134515008
     FROZEN_SIZE = 0
+    MAPS_SIZE = 0
+    # each frozen linear map's weight: its parts in tensor files ("{l}": the layer) and their rows
+    MAPS = {}
     # where each parameter sits in `flat`: checkpoints store the optimizer state as flat buffers
     # and record this, so a state saved under another layout is refused rather than misapplied
     LAYOUT = "embed(49152,576) layers[30](input_layernorm(576) self_attn_qkv(960,576) self_attn_o(576,576) post_attention_layernorm(576) mlp_gate_up(3072,576) mlp_down(576,1536)) final_norm(576)"
 
-    def __init__(self, flat, frozen=None):
-        self.flat, self.frozen = flat, frozen
+    def __init__(self, flat, frozen=None, maps=None):
+        self.flat, self.frozen, self.maps = flat, frozen, maps
         self.embed = flat[0:28311552].reshape((49152, 576))
         self.input_layernorm = layer_views(flat, 28311552, 3540096, (576,), N_LAYERS)
         self.self_attn_qkv = layer_views(flat, 28312128, 3540096, (960, 576), N_LAYERS)
@@ -82,39 +85,46 @@ def hf_tensors(params):
 
 
 class Activations:
-    """What the forward pass writes, allocated once per (B, T); what the backward reads is kept per
-    layer (a leading N_LAYERS axis)."""
+    """What the forward pass writes, allocated once per (B, T). What the backward reads is kept in
+    `kept` slots: one per layer (a leading N_LAYERS axis), or in recompute mode (gradient
+    checkpointing, `kept` = 1) one slot that the backward refills by running each block again from
+    its input, which the residual stream keeps for every layer."""
 
-    def __init__(self, device, B, T):
+    def __init__(self, device, B, T, kept=N_LAYERS):
         N = B * T
         zeros = device.zeros
+        self.kept = kept
         self.ids = zeros((N,), np.int64)
         # the residual stream at each block's input, and the last output
         self.stream = zeros((N_LAYERS + 1, N, 576))
-        self.input_layernorm_out = zeros((N_LAYERS, N, 576))
-        self.input_layernorm_rstd = zeros((N_LAYERS, N))
-        self.self_attn_qkv = zeros((N_LAYERS, B, T, 15, 64))
-        self.self_attn_heads_out = zeros((N_LAYERS, B, T, 576))
-        self.self_attn_probs = zeros((N_LAYERS, B, 9, T, T))
+        self.input_layernorm_out = zeros((kept, N, 576))
+        self.input_layernorm_rstd = zeros((kept, N))
+        self.self_attn_qkv = zeros((kept, B, T, 15, 64))
+        self.self_attn_heads_out = zeros((kept, B, T, 576))
+        self.self_attn_probs = zeros((kept, B, 9, T, T))
         self.self_attn_o_out = zeros((N, 576))
-        self.residual0_out = zeros((N_LAYERS, N, 576))
-        self.post_attention_layernorm_out = zeros((N_LAYERS, N, 576))
-        self.post_attention_layernorm_rstd = zeros((N_LAYERS, N))
-        self.mlp_gate_up_out = zeros((N_LAYERS, N, 3072))
-        self.mlp_hidden = zeros((N_LAYERS, N, 1536))
+        self.residual0_out = zeros((kept, N, 576))
+        self.post_attention_layernorm_out = zeros((kept, N, 576))
+        self.post_attention_layernorm_rstd = zeros((kept, N))
+        self.mlp_gate_up_out = zeros((kept, N, 3072))
+        self.mlp_hidden = zeros((kept, N, 1536))
         self.mlp_down_out = zeros((N, 576))
         self.final_norm_out = zeros((N, 576))
         self.final_norm_rstd = zeros((N,))
         self.logits = zeros((N, 49152))
-        self.self_attn_qkv_rows = self.self_attn_qkv.reshape((N_LAYERS, N, 960))
+        self.self_attn_qkv_rows = self.self_attn_qkv.reshape((kept, N, 960))
         self.self_attn_q = heads(self.self_attn_qkv, 0, 9)
         self.self_attn_k = heads(self.self_attn_qkv, 9, 12)
         self.self_attn_v = heads(self.self_attn_qkv, 12, 15)
         self.self_attn_qk = heads(self.self_attn_qkv, 0, 12)
-        self.self_attn_heads_out_rows = self.self_attn_heads_out.reshape((N_LAYERS, N, 576))
+        self.self_attn_heads_out_rows = self.self_attn_heads_out.reshape((kept, N, 576))
         self.targets = zeros(N, np.int64)
         # each token's position in its example: t, or from 0 at each example packed in a row
         self.positions = zeros((B, T), np.int64)
+
+    def slot(self, l):
+        """Where layer l's saved activations are: its own slot, or the one slot every layer shares."""
+        return l if self.kept == N_LAYERS else 0
 
 
 class Gradients:
@@ -201,6 +211,7 @@ class Model(base.DecoderModel):
     kernels_cpu = staticmethod(kernels_cpu)
     kernels_cuda = staticmethod(kernels_cuda)
     VOCAB = VOCAB
+    N_LAYERS = N_LAYERS
     MAX_SEQ_LEN = MAX_SEQ_LEN
     ROPE_TABLES = ROPE_TABLES
     DecodeBuffers = DecodeBuffers
@@ -217,41 +228,47 @@ class Model(base.DecoderModel):
         k, p = self.device.kernels, self.params
         k.embedding_forward(s.ids, p.embed, s.stream[0], scale=1.0)
         for l in range(N_LAYERS):
-            k.rmsnorm_forward(
-                s.stream[l],
-                p.input_layernorm[l],
-                s.input_layernorm_out[l],
-                s.input_layernorm_rstd[l],
-                eps=1e-05,
-                unit_offset=False,
-            )
-            k.linear_forward(s.input_layernorm_out[l], p.self_attn_qkv[l], s.self_attn_qkv_rows[l])
-            cos, sin = self.rope_table(SELF_ATTN_ROPE_TABLE[l])
-            k.rope_forward(s.self_attn_qk[l], cos, sin, s.positions)
-            k.self_attn_core_forward(
-                s.self_attn_q[l],
-                s.self_attn_k[l],
-                s.self_attn_v[l],
-                s.self_attn_probs[l],
-                s.self_attn_heads_out[l],
-                SELF_ATTN_WINDOW[l],
-                s.positions,
-            )
-            k.linear_forward(s.self_attn_heads_out_rows[l], p.self_attn_o[l], s.self_attn_o_out)
-            k.rmsnorm_forward_residual(
-                s.stream[l],
-                s.self_attn_o_out,
-                s.residual0_out[l],
-                p.post_attention_layernorm[l],
-                s.post_attention_layernorm_out[l],
-                s.post_attention_layernorm_rstd[l],
-                eps=1e-05,
-                unit_offset=False,
-            )
-            k.linear_forward(s.post_attention_layernorm_out[l], p.mlp_gate_up[l], s.mlp_gate_up_out[l])
-            k.swiglu_forward(s.mlp_gate_up_out[l], s.mlp_hidden[l])
-            k.linear_forward(s.mlp_hidden[l], p.mlp_down[l], s.mlp_down_out)
-            k.residual_add(s.residual0_out[l], s.mlp_down_out, s.stream[l + 1])
+            self.run_block(s, l, s.slot(l))
+
+    def run_block(self, s, l, a):
+        """Block l's forward ops, from its input s.stream[l] to s.stream[l + 1]; what the backward
+        reads goes to slot `a` of the saved activations."""
+        k, p = self.device.kernels, self.params
+        k.rmsnorm_forward(
+            s.stream[l],
+            p.input_layernorm[l],
+            s.input_layernorm_out[a],
+            s.input_layernorm_rstd[a],
+            eps=1e-05,
+            unit_offset=False,
+        )
+        k.linear_forward(s.input_layernorm_out[a], p.self_attn_qkv[l], s.self_attn_qkv_rows[a])
+        cos, sin = self.rope_table(SELF_ATTN_ROPE_TABLE[l])
+        k.rope_forward(s.self_attn_qk[a], cos, sin, s.positions)
+        k.self_attn_core_forward(
+            s.self_attn_q[a],
+            s.self_attn_k[a],
+            s.self_attn_v[a],
+            s.self_attn_probs[a],
+            s.self_attn_heads_out[a],
+            SELF_ATTN_WINDOW[l],
+            s.positions,
+        )
+        k.linear_forward(s.self_attn_heads_out_rows[a], p.self_attn_o[l], s.self_attn_o_out)
+        k.rmsnorm_forward_residual(
+            s.stream[l],
+            s.self_attn_o_out,
+            s.residual0_out[a],
+            p.post_attention_layernorm[l],
+            s.post_attention_layernorm_out[a],
+            s.post_attention_layernorm_rstd[a],
+            eps=1e-05,
+            unit_offset=False,
+        )
+        k.linear_forward(s.post_attention_layernorm_out[a], p.mlp_gate_up[l], s.mlp_gate_up_out[a])
+        k.swiglu_forward(s.mlp_gate_up_out[a], s.mlp_hidden[a])
+        k.linear_forward(s.mlp_hidden[a], p.mlp_down[l], s.mlp_down_out)
+        k.residual_add(s.residual0_out[a], s.mlp_down_out, s.stream[l + 1])
 
     def run_loss_and_backward(self, s, g, ready):
         """The loss and d loss / d logits, then the forward ops' adjoints in reverse order;
@@ -273,14 +290,21 @@ class Model(base.DecoderModel):
         )
         ready(0)
         for l in reversed(range(N_LAYERS)):
+            a = s.slot(l)
+            if s.kept == 1 and l != N_LAYERS - 1:
+                # recompute mode kept block l's input (s.stream[l]) but not what its adjoints read:
+                # the one slot holds block l + 1's, so run block l again to refill it (the
+                # forward's last block left its own there); it rewrites s.stream[l + 1] with the
+                # values it already held
+                self.run_block(s, l, a)
             # residual1 (residual); Lean: residual_adjoint
             # mlp_down (linear); Lean: linear_input_adjoint, linear_weight_adjoint_input, linear_weight_adjoint_weight
-            k.linear_backward(s.mlp_hidden[l], p.mlp_down[l], g.mlp_down_out, g.mlp_hidden, gr.mlp_down[l])
+            k.linear_backward(s.mlp_hidden[a], p.mlp_down[l], g.mlp_down_out, g.mlp_hidden, gr.mlp_down[l])
             # mlp_glu (swiglu); Lean: hadamard_adjoint
-            k.swiglu_backward(s.mlp_gate_up_out[l], g.mlp_hidden, g.mlp_gate_up_out)
+            k.swiglu_backward(s.mlp_gate_up_out[a], g.mlp_hidden, g.mlp_gate_up_out)
             # mlp_gate_up (linear); Lean: linear_input_adjoint, linear_weight_adjoint_input, linear_weight_adjoint_weight
             k.linear_backward(
-                s.post_attention_layernorm_out[l],
+                s.post_attention_layernorm_out[a],
                 p.mlp_gate_up[l],
                 g.mlp_gate_up_out,
                 g.post_attention_layernorm_out,
@@ -288,9 +312,9 @@ class Model(base.DecoderModel):
             )
             # post_attention_layernorm (rmsnorm); Lean: hadamard_adjoint
             k.rmsnorm_backward_add(
-                s.residual0_out[l],
+                s.residual0_out[a],
                 p.post_attention_layernorm[l],
-                s.post_attention_layernorm_rstd[l],
+                s.post_attention_layernorm_rstd[a],
                 g.post_attention_layernorm_out,
                 g.residual0_out,
                 gr.post_attention_layernorm[l],
@@ -299,7 +323,7 @@ class Model(base.DecoderModel):
             # residual0 (residual); Lean: residual_adjoint
             # self_attn_o (linear); Lean: linear_input_adjoint, linear_weight_adjoint_input, linear_weight_adjoint_weight
             k.linear_backward(
-                s.self_attn_heads_out_rows[l],
+                s.self_attn_heads_out_rows[a],
                 p.self_attn_o[l],
                 g.self_attn_o_out,
                 g.self_attn_heads_out_rows,
@@ -307,10 +331,10 @@ class Model(base.DecoderModel):
             )
             # self_attn_core (attention); Lean: matmul_adjoint_left, matmul_adjoint_right, smul_adjoint
             k.self_attn_core_backward(
-                s.self_attn_q[l],
-                s.self_attn_k[l],
-                s.self_attn_v[l],
-                s.self_attn_probs[l],
+                s.self_attn_q[a],
+                s.self_attn_k[a],
+                s.self_attn_v[a],
+                s.self_attn_probs[a],
                 g.self_attn_heads_out,
                 g.self_attn_q,
                 g.self_attn_k,
@@ -323,7 +347,7 @@ class Model(base.DecoderModel):
             k.rope_backward(g.self_attn_qk, cos, sin, s.positions)
             # self_attn_qkv (linear); Lean: linear_input_adjoint, linear_weight_adjoint_input, linear_weight_adjoint_weight
             k.linear_backward(
-                s.input_layernorm_out[l],
+                s.input_layernorm_out[a],
                 p.self_attn_qkv[l],
                 g.self_attn_qkv_rows,
                 g.input_layernorm_out,
@@ -333,7 +357,7 @@ class Model(base.DecoderModel):
             k.rmsnorm_backward_add(
                 s.stream[l],
                 p.input_layernorm[l],
-                s.input_layernorm_rstd[l],
+                s.input_layernorm_rstd[a],
                 g.input_layernorm_out,
                 g.block_in,
                 gr.input_layernorm[l],

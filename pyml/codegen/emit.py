@@ -92,20 +92,26 @@ ESTIMATE_BATCH = {"decoder": (2, 128), "sequential": (64, 1)}
 
 
 def describe_size(spec) -> str:
-    """One line: the parameter count and what a float32 training run at the default batch holds."""
+    """One line: the parameter count and what a float32 training run at the default batch holds
+    (a decoder's activations also as `pyml train --recompute` holds them)."""
     from pyml.codegen.schedule import plan_layout, training_memory
     from pyml.package.base import available_memory
 
     graph = lower(spec)
+    layout = plan_layout(graph)
     B, T = ESTIMATE_BATCH[graph.form]
     if graph.form == "decoder":
         T = min(T, spec.max_seq_len)
-    parts = training_memory(graph, plan_layout(graph), B, T, 4)
+    parts = training_memory(graph, layout, B, T, 4)
     total = sum(parts.values())
     batch = f"{B}x{T}" if graph.form == "decoder" else str(B)
+    recomputed = ""
+    if graph.form == "decoder":
+        activations = training_memory(graph, layout, B, T, 4, recompute=True)["activations"]
+        recomputed = f", {binary_size(activations)} with --recompute"
     text = (f"{spec.name}: {graph.param_count():,} parameters; float32 training at batch {batch} "
             f"holds {binary_size(total)} ("
-            + ", ".join(f"{name} {binary_size(size)}" for name, size in parts.items()) + ")")
+            + ", ".join(f"{name} {binary_size(size)}" for name, size in parts.items()) + f"{recomputed})")
     available = available_memory()
     if total > available:
         text += f", more than the {binary_size(available)} this machine has available"

@@ -34,8 +34,12 @@ PIECE_LAWS = ("residual_adjoint", "bias_adjoint", "smul_adjoint")
 MODEL_LAWS = ("compose_adjoint", "chain_adjoint", "chain_transposed_forward")
 
 
-def linear_instances(layer: str, fan_in: int, fan_out: int, bias: bool) -> tuple[Instance, ...]:
+def linear_instances(layer: str, fan_in: int, fan_out: int, bias: bool,
+                     frozen: bool = False) -> tuple[Instance, ...]:
     comment = f"{layer}: linear {fan_in} -> {fan_out}" + (" with a bias" if bias else "")
+    if frozen:  # a LoRA model's base matrix, which the kernels may read where its file stores it
+        comment += (", frozen; W is the base's matrix as its rows decode (dequantized from the"
+                    " stored type, or as stored)")
     instances = [
         Instance(layer, "linear_input_adjoint", {"m": fan_out, "n": fan_in}, comment),
         Instance(layer, "linear_weight_adjoint_input", {"m": fan_out, "k": fan_in}),
@@ -122,7 +126,7 @@ class Lowering:
             params["bias"] = self.param(f"{name}_bias", (fan_out,),
                                         "uniform" if init == "uniform" else "zeros",
                                         [(f"{t}.bias", a, b) for t, a, b in tensors], fan_in)
-        instances = linear_instances(name, fan_in, fan_out, bias)
+        instances = linear_instances(name, fan_in, fan_out, bias, frozen=self.lora is not None)
         if self.lora is None:
             self.kernel("linear", {"p": name, "in_features": fan_in, "out_features": fan_out,
                                    "bias": bias})

@@ -83,13 +83,23 @@ class ParameterLayout:
         lines = []
         for param in [*self.before, *self.block, *self.after]:
             start, shape = self.start[param.attr], shape_text(param.shape)
-            if param.per_layer:
+            if self.buffer == "maps":  # a float buffer's views, or a StoredMaps' rows
+                where = (f"{start}, {self.layer_stride}, {shape}, N_LAYERS" if param.per_layer
+                         else f"{start}, {shape}")
+                function = "map_views" if param.per_layer else "map_view"
+                lines.append(f'self.{param.attr} = {function}(maps, "{param.attr}", {where})')
+            elif param.per_layer:
                 lines.append(f"self.{param.attr} = layer_views({self.buffer}, {start}, "
                              f"{self.layer_stride}, {shape}, N_LAYERS)")
             else:
                 stop = start + math.prod(param.shape)
                 lines.append(f"self.{param.attr} = {self.buffer}[{start}:{stop}].reshape({shape})")
         return lines
+
+    def view_functions(self) -> list[str]:
+        """The functions of pyml.package.base that a maps layout's `view_lines` call."""
+        return [name for name, params in (("map_view", self.before + self.after),
+                                          ("map_views", self.block)) if params]
 
     def description(self) -> str:
         def one(param: Param) -> str:
@@ -122,6 +132,15 @@ class ParameterLayout:
         if self.before:
             parts.append(f"[(0, {self.layer_start})]")
         return " + ".join(parts) or "[]"
+
+
+def frozen_map_attrs(graph: Graph) -> set[str]:
+    """The frozen parameters that are a frozen linear map's weight and nothing else's (a tied LM
+    head's matrix is the embedding's table, which stays a float parameter): a LoRA model's base
+    matrices, which it may read where its folder stores them."""
+    weights = {op.params["weight"] for op in graph.ops() if op.kind == "frozen_linear"}
+    elsewhere = {attr for op in graph.ops() if op.kind != "frozen_linear" for attr in op.params.values()}
+    return {p.attr for p in graph.params if not p.trainable and p.attr in weights - elsewhere}
 
 
 def tensor_lines(layout: ParameterLayout) -> list[str]:
@@ -166,13 +185,13 @@ def activation_lines(graph: Graph, layout: Layout) -> list[str]:
             lines.append(f"self.stream = zeros({shape_text(storage.shape, ('N_LAYERS + 1',))})")
             continue
         per_layer = storage.scope == "block" and storage.name in layout.saved
-        lead = ("N_LAYERS",) if per_layer else ()
+        lead = ("kept",) if per_layer else ()
         lines.append(f"self.{storage.name} = zeros({shape_text(storage.shape, lead)}{dtype})")
     for value in graph.values.values():
         storage = graph.storages[value.storage]
         if value.view and storage.scope != "stream":
             per_layer = storage.scope == "block" and storage.name in layout.saved
-            lead = ("N_LAYERS",) if per_layer else ()
+            lead = ("kept",) if per_layer else ()
             lines.append(f"self.{value.name} = "
                          f"{view_text(value, f'self.{value.storage}', storage.shape, lead)}")
     lines.append("self.targets = zeros(N, np.int64)")
@@ -240,7 +259,11 @@ def logits_alias(graph: Graph) -> list[str]:
 
 def model_context(spec, spec_path: str, graph: Graph, layout: Layout, statements: Statements) -> dict:
     params = ParameterLayout([p for p in graph.params if p.trainable], graph.n_layers)
-    frozen = ParameterLayout([p for p in graph.params if not p.trainable], graph.n_layers, "frozen")
+    map_attrs = frozen_map_attrs(graph)
+    frozen = ParameterLayout([p for p in graph.params if not p.trainable and p.attr not in map_attrs],
+                             graph.n_layers, "frozen")
+    maps = ParameterLayout([p for p in graph.params if p.attr in map_attrs], graph.n_layers, "maps")
+    maps_parts = {p.attr: tuple(p.tensors) for p in graph.params if p.attr in map_attrs}
     decoder = isinstance(spec, DecoderModel)
     constants = dict(graph.constants)
     if decoder:
@@ -256,11 +279,13 @@ def model_context(spec, spec_path: str, graph: Graph, layout: Layout, statements
         constants["ATTENTIONS"] = [
             {"windows": Name(cache["window"]), "n_kv_heads": cache["n_kv_heads"],
              "head_dim": cache["head_dim"]} for cache in graph.attention_caches]
-    writer = Writer(graph, layout.saved)
+    # the prompt's buffers keep every layer's keys and values (`DecoderModel.start_decoding`)
+    writer = Writer(graph, layout.saved, slot="l")
     fill = [f"c.fill({index}, l, {writer.activation(cache['k'])}, {writer.activation(cache['v'])}, T)"
             for index, cache in enumerate(graph.attention_caches)]
     class_constants = [name for name in constants
-                       if name in ("VOCAB", "MAX_SEQ_LEN", "ROPE_TABLES", "INPUT_DIM", "OUTPUT_DIM")]
+                       if name in ("VOCAB", "N_LAYERS", "MAX_SEQ_LEN", "ROPE_TABLES", "INPUT_DIM",
+                                   "OUTPUT_DIM")]
     buckets = params.buckets(graph)
     return {
         "spec_name": spec.name, "spec_path": spec_path, "form": graph.form,
@@ -271,6 +296,9 @@ def model_context(spec, spec_path: str, graph: Graph, layout: Layout, statements
         "param_views": params.view_lines(), "tensor_lines": tensor_lines(params),
         "frozen_size": frozen.size, "frozen_views": frozen.view_lines(),
         "frozen_tensor_lines": tensor_lines(frozen),
+        "maps_size": maps.size, "maps_views": maps.view_lines(), "maps_tensor_lines": tensor_lines(maps),
+        "maps_parts": constant_text(maps_parts),
+        "base_imports": sorted({"AdamW", "heads", "layer_views", "train_step", *maps.view_functions()}),
         "tensors_function": "hf_tensors" if decoder else "named_tensors",
         "activation_lines": activation_lines(graph, layout),
         "gradient_lines": gradient_lines(graph, layout, statements),

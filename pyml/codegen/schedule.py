@@ -9,8 +9,9 @@ Three passes are written from one op list, each op by its kind (`pyml.codegen.ki
   into a buffer that already holds a gradient writes a scratch buffer that is then added;
 - the decoding step, the forward on one new position per sequence with a KV cache.
 
-Buffers are named after their storage: `s.<storage>` in the activations (with `[l]` when saved per
-layer), `g.<storage>` for gradients, `c.<storage>` in the decoding buffers.
+Buffers are named after their storage: `s.<storage>` in the activations (with `[a]` when saved per
+layer: slot a is layer l's own, or in recompute mode the one slot every layer shares), `g.<storage>`
+for gradients, `c.<storage>` in the decoding buffers.
 """
 
 from __future__ import annotations
@@ -62,10 +63,12 @@ def region(graph: Graph, value: str) -> tuple:
 
 
 class Writer:
-    """Expressions for values in the training pass (`s.`) and the decoding step (`c.`)."""
+    """Expressions for values in the training pass (`s.`) and the decoding step (`c.`). A saved
+    storage is indexed by `slot`: "a" in the passes (`Activations.slot(l)`, which recompute mode
+    makes one slot for every layer), "l" where every layer's slot is kept (`fill_cache`)."""
 
-    def __init__(self, graph: Graph, saved: set[str]):
-        self.graph, self.saved = graph, saved
+    def __init__(self, graph: Graph, saved: set[str], slot: str = "a"):
+        self.graph, self.saved, self.slot = graph, saved, slot
 
     def activation(self, value: str) -> str:
         view = self.graph.values[value]
@@ -74,7 +77,7 @@ class Writer:
             return {"in": "s.stream[l]", "out": "s.stream[l + 1]", "first": "s.stream[0]",
                     "last": "s.stream[-1]"}[view.position]
         per_layer = storage.scope == "block" and storage.name in self.saved
-        return f"s.{value}[l]" if per_layer else f"s.{value}"
+        return f"s.{value}[{self.slot}]" if per_layer else f"s.{value}"
 
     def decoding(self, value: str) -> str:
         view = self.graph.values[value]
@@ -338,10 +341,12 @@ def schedule(graph: Graph) -> tuple[Layout, Statements]:
     )
 
 
-def training_memory(graph: Graph, layout: Layout, B: int, T: int, itemsize: int) -> dict[str, int]:
-    """Bytes a training step at batch (B, T) holds: parameters, their gradients, AdamW's two
-    moments, a decoder's RoPE tables (cos and sin at every position up to max_seq_len), the
-    activations (per layer where the backward reads them) and the gradient buffers."""
+def training_memory(graph: Graph, layout: Layout, B: int, T: int, itemsize: int,
+                    recompute: bool = False) -> dict[str, int]:
+    """Bytes a training step at batch (B, T) holds: parameters, the trainable ones' gradients and
+    AdamW's two moments, a decoder's RoPE tables (cos and sin at every position up to max_seq_len), the
+    activations (per layer where the backward reads them, once with `recompute`: the backward
+    runs each block again from its input in the stream) and the gradient buffers."""
     sizes = {"B": B, "T": T, "N": B * T}
 
     def count(shape: tuple) -> int:
@@ -350,15 +355,17 @@ def training_memory(graph: Graph, layout: Layout, B: int, T: int, itemsize: int)
     activations = 0
     for storage in graph.storages.values():
         copies = {"stream": graph.n_layers + 1,
-                  "block": graph.n_layers if storage.name in layout.saved else 1}.get(storage.scope, 1)
+                  "block": graph.n_layers if storage.name in layout.saved and not recompute
+                  else 1}.get(storage.scope, 1)
         activations += count(storage.shape) * copies * (8 if storage.dtype == "int64" else itemsize)
     gradients = sum(count(graph.storages[home].shape) for home in layout.grad_storages())
     if "stream" in graph.storages:
         gradients += count(graph.storages["stream"].shape)
     params = graph.param_count() * itemsize
+    trainable = graph.param_count(trainable=True) * itemsize  # a LoRA model's adapters
     positions = graph.constants.get("MAX_SEQ_LEN", 0)
     tables = sum(2 * positions * half * itemsize for _, half, _ in graph.rope_tables)
-    parts = {"parameters": params, "gradients": params, "AdamW state": 2 * params}
+    parts = {"parameters": params, "gradients": trainable, "AdamW state": 2 * trainable}
     if tables:
         parts["RoPE tables"] = tables
     return parts | {"activations": activations + gradients * itemsize}

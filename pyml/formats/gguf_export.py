@@ -56,7 +56,7 @@ from pyml.formats.gguf_architectures import (
 from pyml.formats.gguf_read import GGUFFile, GGUFTensor
 from pyml.formats.model_folder import GENERAL_FILE, SOURCE_GGUF, is_adapter_folder
 from pyml.formats.quant import BLOCK_LAYOUT, GGMLType, tensor_nbytes
-from pyml.formats.quantize import quantize
+from pyml.formats.quantize import ENCODABLE, quantize
 from pyml.formats.stored_tensors import StoredFolder, StoredTensor
 from pyml.formats.tokenizer import (
     CONTROL_TOKEN,
@@ -80,7 +80,11 @@ EXPORT_TYPES = {
     "q4_k_m": (GGMLType.Q4_K, 15),
     "q5_k_m": (GGMLType.Q5_K, 17),
     "q6_k": (GGMLType.Q6_K, 18),
+    "as-stored": (None, None),  # each tensor in the type the folder stores it (where pyml writes it)
 }
+# general.file_type of a file whose matrices are mostly of a type (llama_ftype; the K types' _M mixes)
+FILE_TYPES = {GGMLType.F32: 0, GGMLType.F16: 1, GGMLType.Q4_0: 2, GGMLType.Q4_1: 3, GGMLType.Q8_0: 7,
+              GGMLType.Q5_0: 8, GGMLType.Q5_1: 9, GGMLType.Q4_K: 15, GGMLType.Q5_K: 17, GGMLType.Q6_K: 18}
 K_QUANTS = (GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K)
 # llama-quantize's type for a matrix whose rows are no whole number of the asked type's blocks
 FALLBACK = {GGMLType.Q4_K: GGMLType.Q5_0, GGMLType.Q5_K: GGMLType.Q5_1, GGMLType.Q6_K: GGMLType.Q8_0}
@@ -106,11 +110,14 @@ SPECIAL_TOKENS = {
 
 
 def export_gguf(model_dir: Path, out: Path, type_name: str = "f32", progress: bool = True,
-                overwrite: bool = False) -> Path:
-    """Write the model in `model_dir` as a GGUF at `out`, its matrices as `type_name`. An existing
+                overwrite: bool = False, replaced: dict | None = None, fine_tune: bool = False) -> Path:
+    """Write the model in `model_dir` as a GGUF at `out`, its matrices as `type_name` ("as-stored":
+    each in the type the folder stores it; a GGUF's tensors then keep their bytes). An existing
     GGUF at `out` is replaced; any other file only with `overwrite` (`pyml.outputs`). With
     `progress`, a progress bar on stderr, then, as llama-quantize says it, how many tensors fell
-    back to another type."""
+    back to another type. `replaced` ({name: a function giving its float32 values}) replaces
+    those tensors' values, each computed when it is written (`pyml merge-lora`), and makes the file
+    a fine-tune of the folder's model, as does `fine_tune`."""
     if type_name not in EXPORT_TYPES:
         raise PymlError(
             f"--type {type_name!r} is not one pyml writes (only {', '.join(EXPORT_TYPES)})"
@@ -126,7 +133,8 @@ def export_gguf(model_dir: Path, out: Path, type_name: str = "f32", progress: bo
     config = _read_json(model_dir / "config.json")
     tokenizer = _read_json(model_dir / "tokenizer.json")
     settings = _read_json(model_dir / "tokenizer_config.json")
-    metadata = (architecture_metadata(model_dir, config) | general_metadata(model_dir)
+    metadata = (architecture_metadata(model_dir, config)
+                | general_metadata(model_dir, fine_tune or bool(replaced))
                 | tokenizer_metadata(model_dir, tokenizer, settings))
     described = GGUFFile(path=model_dir, version=3, metadata=metadata,
                          tensors=rope_factor_tensors(model_dir, config))
@@ -135,12 +143,20 @@ def export_gguf(model_dir: Path, out: Path, type_name: str = "f32", progress: bo
     stored = StoredFolder(model_dir)  # decoded one tensor at a time as it is written
     tensors = dict(stored.tensors)
     plan = _tensor_plan(stored.path / stored.source, tensors, architecture, config, matrix_type)
+    if matrix_type is None:
+        kinds = [kind for _, hf_name, shape, kind in plan if hf_name is not None and len(shape) == 2]
+        file_type = FILE_TYPES[max(set(kinds), key=kinds.count)]
+    # a GGUF's tensor written in the type it has keeps its bytes, unless its values are replaced
+    raw = ({name for name, tensor in tensors.items() if name not in (replaced or {})}
+           if stored.source == SOURCE_GGUF else set())
+    for name, values in (replaced or {}).items():
+        tensors[name] = ComputedTensor(tensors[name].ggml_type, values)
 
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         with written_file(out) as temporary:
             _write(temporary, architecture, metadata, tensors, plan, file_type,
-                   out.name if progress else "")  # fmt: skip
+                   out.name if progress else "", raw)  # fmt: skip
     except OSError as error:
         raise PymlError(f"{out}: cannot write: {os_error(error)}") from None
     fell_back = fallbacks(plan, architecture, config, matrix_type)
@@ -220,18 +236,18 @@ def architecture_metadata(model_dir: Path, config: dict) -> dict[str, object]:
     return metadata
 
 
-def general_metadata(model_dir: Path) -> dict[str, object]:
+def general_metadata(model_dir: Path, fine_tune: bool = False) -> dict[str, object]:
     """The `general.*` metadata about the model: its source GGUF's (the folder's
     gguf_general.json, which a checkpoint copies from its --init folder), as it was when the
-    folder holds that GGUF's weights (source.gguf beside them), else as a fine-tune of it (see the
-    module docstring). A folder without that file is named after itself."""
+    folder holds that GGUF's weights (source.gguf beside them) and is no `fine_tune`, else as a
+    fine-tune of it (see the module docstring). A folder without that file is named after itself."""
     path = model_dir / GENERAL_FILE
     source = _read_json(path) if path.is_file() else {}
     source = {key: value for key, value in source.items() if not key.startswith(NOT_CARRIED)}
     name = source.get("general.name")
     if not isinstance(name, str):
         return source | {"general.name": model_dir.resolve().name}
-    if (model_dir / SOURCE_GGUF).is_file():
+    if (model_dir / SOURCE_GGUF).is_file() and not fine_tune:
         return source
     release = {field: source.pop(f"general.{field}") for field in BASE_MODEL_FIELDS
                if f"general.{field}" in source}
@@ -440,14 +456,36 @@ def _tensor_plan(
                 f"{path}: tensor {hf_name} has shape {found[hf_name]}; config.json's model has "
                 f"{expected[name]} ({architecture.describe_dims()})"
             )
-        kind = tensor_type(name, expected[name], matrix_type, architecture.dims.n_layers, tied)
+        if matrix_type is None:
+            kind = stored_type(tensors[hf_name].ggml_type, expected[name])
+        else:
+            kind = tensor_type(name, expected[name], matrix_type, architecture.dims.n_layers, tied)
         plan.append((name, hf_name, expected[name], kind))
     return plan + [(name, None, tensor.shape, GGMLType.F32) for name, tensor in derived.items()]
+
+
+def stored_type(kind: GGMLType, shape: tuple[int, ...]) -> GGMLType:
+    """The type "as-stored" writes a tensor stored as `kind` in: that type where pyml encodes it,
+    else F32 (BF16, F64 and the K types without a quantizer here: Q2_K, Q3_K); 1-D ones F32."""
+    return kind if len(shape) == 2 and kind in ENCODABLE else GGMLType.F32
+
+
+class ComputedTensor:
+    """A tensor whose float32 values a function gives when it is written (a merged LoRA matrix),
+    in the type `ggml_type` of the tensor it replaces (for "as-stored")."""
+
+    def __init__(self, ggml_type: GGMLType, values):
+        self.ggml_type, self.values = ggml_type, values
+
+    def dense(self, dtype=np.float32) -> np.ndarray:
+        return np.asarray(self.values(), dtype)
 
 
 def fallbacks(plan, architecture: Llama, config: dict, asked: GGMLType) -> dict[str, GGMLType]:
     """The tensors of `plan` stored in another type than the one `asked` gives them
     (`mix_type`), because their rows are no whole number of its blocks: name -> the type stored."""
+    if asked is None:  # as stored: nothing was asked of any tensor
+        return {}
     tied = config.get("tie_word_embeddings") is True
     return {name: kind for name, hf_name, shape, kind in plan if hf_name is not None
             and kind != mix_type(name, shape, asked, architecture.dims.n_layers, tied)}
@@ -516,9 +554,10 @@ def permute_rotary_rows(weight: np.ndarray, n_heads: int) -> np.ndarray:
     )
 
 
-def _write(path, architecture, metadata, tensors, plan, file_type, shown_name) -> None:
+def _write(path, architecture, metadata, tensors, plan, file_type, shown_name, raw=frozenset()) -> None:
     """The GGUF at `path`, one tensor encoded at a time (each source tensor is dropped once
-    written), with a progress bar naming `shown_name` unless it is empty."""
+    written), with a progress bar naming `shown_name` unless it is empty; the tensors named in
+    `raw` (a source GGUF's) written as their stored bytes where their type is kept."""
     writer = gguf.GGUFWriter(path, architecture.name)
     for key, value in metadata.items():
         if key != "general.architecture":  # the writer adds it
@@ -537,7 +576,11 @@ def _write(path, architecture, metadata, tensors, plan, file_type, shown_name) -
             if hf_name is None:
                 writer.write_tensor_data(architecture.derived_tensors()[name])
                 continue
-            weight = tensors.pop(hf_name).dense(np.float32)
+            tensor = tensors.pop(hf_name)
+            if hf_name in raw and tensor.ggml_type == kind:  # the file's own bytes, GGUF order
+                writer.write_tensor_data(tensor.data)
+                continue
+            weight = tensor.dense(np.float32)
             writer.write_tensor_data(quantize(gguf_weight(architecture, name, weight), kind))
     (handle,) = writer.fout
     handle.flush()

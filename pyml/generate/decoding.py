@@ -113,23 +113,25 @@ def load_decoder(model_dir: Path, spec_path: Path | None = None, device: str = "
     """What `pyml generate` decodes with: the float32 model (`load_model`) for --weights f32;
     otherwise a `QuantizedDecoder` on the weights asked for (pyml/generate/quantized.py says what
     each --weights and --activations means). On the CPU it reads the folder's weights where they
-    are stored, with no float32 copy; with a LoRA `adapter` folded in, the folded float32 weights
-    are the model's (as-stored is then float32). On CUDA the float32 model prefills the prompt."""
+    are stored, with no float32 copy, and a LoRA `adapter`'s updates beside them (as llama.cpp's
+    --lora: the model costs the file plus the adapter). On CUDA the float32 model prefills the
+    prompt, and an adapter is folded into its float32 weights."""
     from pyml.formats.gguf_import import SOURCE_GGUF
     from pyml.generate.quantized import QuantizedDecoder, check_weights
 
     check_weights(weights, activations)
     if weights == "f32":
         return load_model(model_dir, spec_path, device, adapter)
-    if device == "cuda" or adapter is not None:
-        if device == "cuda" and activations != "f32":
+    if device == "cuda":
+        if activations != "f32":
             raise PymlError(f"--activations {activations} runs on the CPU only: leave it out to decode "
                             "on the GPU")
         gguf_path = existing_folder(model_dir) / SOURCE_GGUF
         stored = gguf_path if gguf_path.is_file() and adapter is None else None
         return QuantizedDecoder.of_model(load_model(model_dir, spec_path, device, adapter), weights,
                                          activations, gguf_path=stored)
-    return QuantizedDecoder.of_folder(folder_package(model_dir, spec_path), model_dir, weights, activations)
+    return QuantizedDecoder.of_folder(folder_package(model_dir, spec_path), model_dir, weights, activations,
+                                      adapter)
 
 
 def load_tokenizer(model_dir: Path) -> Tokenizer:

@@ -4,8 +4,8 @@ step for a batch of sequences) on the CPU, gen/<name>/decode_cuda.py on device="
 `pyml generate --weights` picks the weights the linear maps run on:
 
     as-stored  as the folder stores them: its GGUF's tensors (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K,
-               F32, F16, BF16, any mix, read in place by memory map; other types as float32 rows of
-               that tensor), or its safetensors' rows (float32, float16 or bfloat16).
+               F32, F16, BF16, and on the CPU Q5_K, any mix, read in place by memory map; other types
+               as float32 rows of that tensor), or its safetensors' rows (float32, float16 or bfloat16).
     q8_0, q4_0, q4_1  every linear weight quantized by llama.cpp's reference quantizer
                (pyml.formats.quantize), a tensor at a time.
     f32        the float32 package's own decoding step, on a float32 copy of the weights.
@@ -49,7 +49,7 @@ from pyml.generate.stored_step import (
     with_int8_activations,
 )
 from pyml.package.base import BUFFER_SHAPES
-from pyml.package.decode_cpu import INT8_LAYER_KIND_OF
+from pyml.package.decode_cpu import INT8_LAYER_KIND_OF, with_low_rank
 
 WEIGHT_FORMATS = ("as-stored", "f32", "q8_0", "q4_0", "q4_1")
 ACTIVATION_FORMATS = ("f32", "q8_0")
@@ -227,14 +227,21 @@ class QuantizedDecoder:
 
     @classmethod
     def on_tensors(cls, package: ModuleType, tensors: dict, weights: str = "as-stored",
-                   activations: str = "f32", dtype=np.float32) -> QuantizedDecoder:
+                   activations: str = "f32", dtype=np.float32, adapter: Path | None = None) -> QuantizedDecoder:
         """The CPU step of `package` (a generated decoder package) on `tensors` (StoredTensors by
         Hugging Face name): as stored, or quantized to `weights` (q8_0, q4_0, q4_1) first, times
-        `activations` (an --activations value); its activations in `dtype`."""
+        `activations` (an --activations value); its activations in `dtype`. A LoRA `adapter`
+        folder's updates are added beside the rows, not folded into them (`low_rank_updates`)."""
         step = decode_module(package.__name__, "cpu")
         n_layers = package.model.N_LAYERS
         model = StepModel(package, step_parameters(step, tensors, n_layers, dtype), dtype)
         stored = step_weights(step, tensors, n_layers, QUANTIZE_TO.get(weights))
+        if adapter is not None:
+            from pyml.train.lora import low_rank_updates
+
+            for prefix, (down, up) in low_rank_updates(adapter, step.LINEARS, n_layers, tensors).items():
+                stored.weights[prefix] = with_low_rank(stored.weights[prefix], down, up)
+                stored.formats[prefix] += " + LoRA"
         if activations == "q8_0":
             rounded = set(INT8_LAYER_KIND_OF.values())
             for prefix, _, _, _ in step.LINEARS:
@@ -251,10 +258,10 @@ class QuantizedDecoder:
 
     @classmethod
     def of_folder(cls, package: ModuleType, folder: Path, weights: str = "as-stored",
-                  activations: str = "f32") -> QuantizedDecoder:
+                  activations: str = "f32", adapter: Path | None = None) -> QuantizedDecoder:
         """The CPU step of `package` on the weights of the model folder `folder`, read by memory
-        map in the form the folder stores them."""
-        return cls.on_tensors(package, StoredFolder(folder).tensors, weights, activations)
+        map in the form the folder stores them (with a LoRA `adapter` folder's updates beside them)."""
+        return cls.on_tensors(package, StoredFolder(folder).tensors, weights, activations, adapter=adapter)
 
     @classmethod
     def of_model(cls, model, weights: str = "as-stored", activations: str = "f32",

@@ -7,7 +7,7 @@ GGUF or safetensors file, in the format the file stores it. So generating from a
 about the file's size in memory, as llama.cpp does. The step's other parameters (norm gains,
 biases: a few thousand values a layer) are read into small arrays (`StepModel`).
 
-A tensor the kernels cannot read in place (a type they do not take: Q5_1, Q2_K, Q3_K, Q5_K) is
+A tensor the kernels cannot read in place (a type they do not take: Q5_1, Q2_K, Q3_K) is
 dequantized to float32 rows, that tensor only. `--weights q8_0/q4_0/q4_1` quantize each tensor in
 turn (llama.cpp's reference quantizer) and keep the quantized bytes; `--activations q8_0` runs the
 Q4_0, Q4_1 and Q8_0 layers on int8-rounded activations, their rows read where they are stored as
@@ -25,7 +25,8 @@ from pyml.formats.quant import GGMLType
 from pyml.formats.quantize import quantize
 from pyml.formats.stored_tensors import StoredTensor
 from pyml.package.base import DecoderModel, Device, device_rope_tables
-from pyml.package.decode_cpu import INT8_LAYER_KIND_OF, ROW_KIND_OF, stored_weight
+from pyml.package.decode_cpu import INT8_LAYER_KIND_OF
+from pyml.package.stored_rows import read_in_place, stored_rows, tensor_of
 
 
 class StepModel:
@@ -78,22 +79,6 @@ def step_parameters(step: ModuleType, tensors: dict[str, StoredTensor], n_layers
     return parameters
 
 
-def tensor_of(tensors: dict[str, StoredTensor], pattern: str, layer: int) -> StoredTensor:
-    name = pattern.format(l=layer)
-    if name not in tensors:
-        raise PymlError(f"the weights hold no tensor {name!r}, which the step reads")
-    return tensors[name]
-
-
-def read_in_place(tensor: StoredTensor) -> StoredTensor:
-    """`tensor` as the kernels can read it: itself, or its float32 rows where they take no rows of
-    its type."""
-    if tensor.ggml_type in ROW_KIND_OF:
-        return tensor
-    rows = np.ascontiguousarray(tensor.dense(np.float32))
-    return StoredTensor(tensor.name, GGMLType.F32, rows.shape, rows.reshape(-1).view(np.uint8), None)
-
-
 def quantized_to(tensor: StoredTensor, target: GGMLType) -> StoredTensor:
     """`tensor` quantized to `target` by llama.cpp's reference quantizer."""
     rows, columns = tensor.shape
@@ -109,28 +94,8 @@ def op_weight(tensors: dict[str, StoredTensor], parts: tuple, n_layers: int, wei
     """One op's weight tuple over `parts` ((tensor name, first row, last row + 1), "{l}" the
     layer), its layers' rows read where they are stored (quantized to `target` first, if given);
     and the formats it holds."""
-    per_layer = "{l}" in parts[0][0]
-    layers = n_layers if per_layer else 1
-    rows = parts[-1][2]
-    kinds = np.zeros((layers, rows), np.uint8)
-    addresses = np.zeros((layers, rows), np.uint64)
-    formats, columns = set(), None
-    for layer in range(layers):
-        for pattern, first, last in parts:
-            tensor = tensor_of(tensors, pattern, layer)
-            if len(tensor.shape) != 2 or tensor.shape[0] != last - first or (
-                    columns is not None and tensor.shape[1] != columns):
-                raise PymlError(f"{tensor.name} has shape {tensor.shape}, not the step's "
-                                f"{(last - first, columns or '?')}")
-            columns = tensor.shape[1]
-            tensor = quantized_to(tensor, target) if target is not None else read_in_place(tensor)
-            weights.kept.append(tensor.data)
-            order = tensor.row_order if tensor.row_order is not None else np.arange(last - first)
-            kinds[layer, first:last] = ROW_KIND_OF[tensor.ggml_type]
-            addresses[layer, first:last] = (np.uint64(tensor.data.ctypes.data)
-                                            + order.astype(np.uint64) * np.uint64(tensor.row_bytes))
-            formats.add(tensor.ggml_type.name)
-    return stored_weight(kinds, addresses), formats
+    prepare = read_in_place if target is None else (lambda tensor: quantized_to(tensor, target))
+    return stored_rows(tensors, parts, n_layers, weights.kept, prepare)
 
 
 def step_weights(step: ModuleType, tensors: dict[str, StoredTensor], n_layers: int,
@@ -153,5 +118,6 @@ def with_int8_activations(weight: tuple) -> tuple:
     """`weight` with each layer whose rows are all Q4_0, all Q4_1 or all Q8_0 multiplying
     int8-rounded activations (its layer kind Q4_0_X8, Q4_1_X8 or Q8_0_X8: pyml/package/decode_cpu.py);
     the rows stay where they are stored, and the other layers as they are."""
-    kinds, addresses, layer_kinds = weight
-    return kinds, addresses, np.array([INT8_LAYER_KIND_OF.get(int(kind), kind) for kind in layer_kinds], np.uint8)
+    kinds, addresses, layer_kinds, down, up = weight
+    int8_kinds = np.array([INT8_LAYER_KIND_OF.get(int(kind), kind) for kind in layer_kinds], np.uint8)
+    return kinds, addresses, int8_kinds, down, up

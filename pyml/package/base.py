@@ -22,7 +22,8 @@ from pyml.package.accumulate import loss_and_grads
 from pyml.package.cpu.loss import IGNORED_TARGET
 from pyml.package.cpu.rope import rope_tables
 from pyml.formats.safetensors_io import write_safetensors
-from pyml.formats.stored_tensors import stored_weights
+from pyml.formats.stored_tensors import StoredFolder, stored_weights
+from pyml.package.stored_rows import StoredMaps
 
 BUFFER_SHAPES = 4  # the (B, T) shapes whose activation buffers a model keeps
 
@@ -61,6 +62,21 @@ def layer_views(flat, start, stride, shape, n_layers):
     return [
         flat[start + l * stride : start + l * stride + size].reshape(shape) for l in range(n_layers)
     ]
+
+
+def map_views(maps, attr, start, stride, shape, n_layers):
+    """A per-layer frozen linear map's matrices: views into the float buffer `maps` (as
+    layer_views), or its `StoredRows` where `maps` is a StoredMaps (the base's rows in place)."""
+    if isinstance(maps, StoredMaps):
+        return maps.layer_rows(attr, shape)
+    return layer_views(maps, start, stride, shape, n_layers)
+
+
+def map_view(maps, attr, start, shape):
+    """A model-level frozen linear map's matrix (an untied LM head), as map_views."""
+    if isinstance(maps, StoredMaps):
+        return maps.layer_rows(attr, shape)[0]
+    return maps[start : start + math.prod(shape)].reshape(shape)
 
 
 class Device:
@@ -114,6 +130,7 @@ class Model:
     and the kernel modules, and define the passes and their buffers."""
 
     FROZEN_TENSOR_TABLE = None
+    MAP_TENSOR_TABLE = None
 
     @classmethod
     def table_bytes(cls, itemsize):
@@ -124,25 +141,41 @@ class Model:
     def tables_described(cls):
         return ""
 
-    def __init__(self, dtype=np.float32, device="cpu"):
+    def __init__(self, dtype=np.float32, device="cpu", maps=None):
+        """Zeroed parameters on `device`; a LoRA model's frozen linear maps in a float buffer, or
+        read where its base folder stores them where `maps` (a StoredMaps, CPU only) is given."""
         itemsize = np.dtype(dtype).itemsize if np.dtype(dtype) in (np.float32, np.float64) else 4
-        size, frozen = self.Parameters.SIZE, self.Parameters.FROZEN_SIZE
+        size = self.Parameters.SIZE
+        frozen = self.Parameters.FROZEN_SIZE + (self.Parameters.MAPS_SIZE if maps is None else 0)
         what = f"{size:,} parameters and their gradients" + (
             f", and {frozen:,} frozen ones" if frozen else "") + self.tables_described()
         require_memory((2 * size + frozen) * itemsize + self.table_bytes(itemsize),
                        f"spec '{self.SPEC_NAME}' ({what})")
         self.device = Device(device, dtype, self.kernels_cpu, self.kernels_cuda)
-        self.params = self.Parameters(self.device.zeros(size),
-                                      self.device.zeros(frozen) if frozen else None)
+        if maps is not None and (device != "cpu" or maps.dtype != self.device.dtype):
+            raise PymlError("a base read where it is stored runs on the CPU, in the model's dtype")
+        if maps is None and self.Parameters.MAPS_SIZE:
+            maps = self.device.zeros(self.Parameters.MAPS_SIZE)
+        self.params = self.Parameters(
+            self.device.zeros(size),
+            self.device.zeros(self.Parameters.FROZEN_SIZE) if self.Parameters.FROZEN_SIZE else None,
+            maps)
         self.grads = self.Parameters(self.device.zeros(size))
         self.buffers = {}
 
+    @property
+    def stored_maps(self):
+        """The StoredMaps the frozen linear maps are read from, or None (a float buffer)."""
+        return self.params.maps if isinstance(self.params.maps, StoredMaps) else None
+
     @classmethod
-    def host_parameters(cls, dtype=np.float64):
-        """Zeroed host buffers with every parameter's view, frozen ones included."""
-        frozen = cls.Parameters.FROZEN_SIZE
+    def host_parameters(cls, dtype=np.float64, maps=True):
+        """Zeroed host buffers with every parameter's view, frozen ones included (the frozen
+        linear maps' only with `maps`)."""
+        frozen, map_size = cls.Parameters.FROZEN_SIZE, cls.Parameters.MAPS_SIZE
         return cls.Parameters(np.zeros(cls.Parameters.SIZE, dtype),
-                              np.zeros(frozen, dtype) if frozen else None)
+                              np.zeros(frozen, dtype) if frozen else None,
+                              np.zeros(map_size, dtype) if map_size and maps else None)
 
     @property
     def grad_buckets(self):
@@ -155,10 +188,7 @@ class Model:
         Hugging Face's Llama and Gemma), torch.nn.Linear's U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for
         sequential ones, gains 1 (or 0 where the gain is 1 + w) and biases 0."""
         model = cls(dtype, device)
-        host_params = cls.host_parameters()
-        table = dict(cls.TENSOR_TABLE(host_params))
-        if cls.FROZEN_TENSOR_TABLE is not None:
-            table |= cls.FROZEN_TENSOR_TABLE(host_params)
+        table = cls.tensor_entries(cls.host_parameters())
         model.load_tensors(initial_tensors(table, seed), "initialisation")
         return model
 
@@ -171,45 +201,77 @@ class Model:
         return model
 
     def load_tensors(self, tensors, source):
-        """Every parameter, trainable and frozen, from `tensors` ({name: array})."""
-        host = self.host_parameters(self.device.dtype)
+        """Every parameter, trainable and frozen, from `tensors` ({name: array}); the frozen linear
+        maps' only where they are a float buffer (stored ones are read in place)."""
+        host = self.host_parameters(self.device.dtype, maps=self.stored_maps is None)
         expected = self.tensors(host)
         check_tensors(tensors, expected, source, self.SPEC_NAME)
         for name, view in expected.items():
             view[...] = tensors[name]
         self.device.to_device(host.flat, self.params.flat)
-        if host.frozen is not None:
-            self.device.to_device(host.frozen, self.params.frozen)
+        for part in ("frozen", "maps"):
+            if getattr(host, part) is not None:
+                self.device.to_device(getattr(host, part), getattr(self.params, part))
 
     def host_tensors(self):
-        """Named host copies of the parameters, frozen ones included."""
-        frozen = self.params.frozen
+        """Named host copies of the parameters, frozen ones included (but stored maps)."""
+        def host(part):
+            return None if part is None else self.device.to_host(part).copy()
+
         return self.tensors(self.Parameters(
-            self.device.to_host(self.params.flat).copy(),
-            None if frozen is None else self.device.to_host(frozen).copy()))
+            host(self.params.flat), host(self.params.frozen),
+            None if self.stored_maps is not None else host(self.params.maps)))
+
+    @classmethod
+    def tensor_entries(cls, params):
+        """The tensor table (name: (view, initialisation, fan-in)) of what `params` holds: the
+        trainable parameters, and the frozen ones and float maps where it holds them."""
+        table = dict(cls.TENSOR_TABLE(params))
+        if params.frozen is not None and cls.FROZEN_TENSOR_TABLE is not None:
+            table |= cls.FROZEN_TENSOR_TABLE(params)
+        if params.maps is not None and not isinstance(params.maps, StoredMaps):
+            table |= cls.MAP_TENSOR_TABLE(params)
+        return table
 
     @classmethod
     def tensors(cls, params):
         """The parameters in `params` under their names in tensor files (views); the frozen ones
         too where `params` holds them."""
-        table = cls.TENSOR_TABLE(params)
-        if params.frozen is not None and cls.FROZEN_TENSOR_TABLE is not None:
-            table |= cls.FROZEN_TENSOR_TABLE(params)
-        return {name: entry[0] for name, entry in table.items()}
+        return {name: entry[0] for name, entry in cls.tensor_entries(params).items()}
 
     @classmethod
     def from_base(cls, path, seed=0, dtype=np.float32, device="cpu"):
         """A LoRA model: the frozen base weights from `path` (a safetensors file, or a model
         folder, with the base model's tensor names) and the adapters initialised as the
-        `peft` library does (A uniform in +-1/sqrt(fan_in), B zero), seeded."""
+        `peft` library does (A uniform in +-1/sqrt(fan_in), B zero), seeded. On the CPU, a
+        folder's frozen linear maps are read where it stores them (quantized rows, bf16, ...:
+        `StoredMaps`), so the model costs about the file's size; the other frozen weights (norms,
+        the embedding) are float arrays of `dtype`."""
         if cls.FROZEN_TENSOR_TABLE is None:
             raise PymlError(f"spec '{cls.SPEC_NAME}' has no [lora] table: load it with from_safetensors")
-        model = cls(dtype, device)
         # the adapters come first in `initialized`'s table, so they draw the same values here
         # without drawing (and holding) a random base that the file would replace
-        table = cls.TENSOR_TABLE(cls.Parameters(np.zeros(cls.Parameters.SIZE)))
-        base, source = stored_weights(path, dtype)
-        model.load_tensors(initial_tensors(table, seed) | base, source)
+        adapters = initial_tensors(cls.TENSOR_TABLE(cls.Parameters(np.zeros(cls.Parameters.SIZE))), seed)
+        path = Path(path)
+        if device != "cpu" or not path.is_dir() or not cls.Parameters.MAPS_SIZE:
+            model = cls(dtype, device)
+            base, source = stored_weights(path, dtype)
+            model.load_tensors(adapters | base, source)
+            return model
+        stored = StoredFolder(path)
+        maps = StoredMaps(stored.tensors, cls.Parameters.MAPS, cls.N_LAYERS, dtype)
+        model = cls(dtype, device, maps)
+        dense = cls.tensors(cls.host_parameters(maps=False))
+        map_names = {pattern.format(l=l) for parts in cls.Parameters.MAPS.values()
+                     for pattern, _, _ in parts for l in range(cls.N_LAYERS)}
+        unexpected = sorted(set(stored.tensors) - set(dense) - set(adapters) - map_names)
+        base = {name: stored.tensors[name].dense(dtype) for name in dense if name in stored.tensors
+                and name not in adapters}
+        source = str(stored.path / stored.source)
+        if unexpected:
+            raise PymlError(f"{source}: unexpected tensor(s) {', '.join(unexpected[:3])} for spec "
+                            f"'{cls.SPEC_NAME}'")
+        model.load_tensors(adapters | base, source)
         return model
 
     def adapter_tensors(self):
@@ -250,10 +312,15 @@ def device_rope_tables(rope_tables_spec, max_seq_len, device):
 class DecoderModel(Model):
     """A decoder over token ids (B, T): training, logits, and decoding with a KV cache.
     Subclasses also set `ROPE_TABLES`: (the RoPE base, half the head_dim it rotates, the scaling
-    of its frequencies as a dict or None) per table."""
+    of its frequencies as a dict or None) per table, and `N_LAYERS`."""
 
-    def __init__(self, dtype=np.float32, device="cpu"):
-        super().__init__(dtype, device)
+    # Gradient checkpointing (`pyml train --recompute`): the training buffers keep what the
+    # backward reads for one block instead of every block, and the backward runs each block's
+    # forward again from its input in the residual stream. The same gradients, bit for bit.
+    recompute = False
+
+    def __init__(self, dtype=np.float32, device="cpu", maps=None):
+        super().__init__(dtype, device, maps)
         self.rope = device_rope_tables(self.ROPE_TABLES, self.MAX_SEQ_LEN, self.device)
 
     @classmethod
@@ -270,16 +337,20 @@ class DecoderModel(Model):
         """(cos, sin) of RoPE table `index`, (MAX_SEQ_LEN, half) on the device."""
         return self.rope[index]
 
-    def buffers_for(self, B, T):
+    def buffers_for(self, B, T, every_layer=False):
+        """(activations, gradients) for batch (B, T); the activations keep every layer's saved
+        values unless `recompute` is on and `every_layer` (a prompt's keys and values for the
+        cache) is not asked for."""
         if T > self.MAX_SEQ_LEN:
             raise PymlError(
                 f"sequence length {T} exceeds the spec's max_seq_len {self.MAX_SEQ_LEN}"
             )
+        kept = 1 if self.recompute and not every_layer else self.N_LAYERS
         # the buffers of the last BUFFER_SHAPES shapes used: training runs one shape, but a server
         # prefills prompts of every length, and keeping each one's buffers grows without end
-        buffers = self.buffers.pop((B, T), None) or (self.Activations(self.device, B, T),
-                                                     self.Gradients(self.device, B, T))
-        self.buffers[(B, T)] = buffers  # the most recent last
+        buffers = self.buffers.pop((B, T, kept), None) or (self.Activations(self.device, B, T, kept),
+                                                           self.Gradients(self.device, B, T))
+        self.buffers[(B, T, kept)] = buffers  # the most recent last
         while len(self.buffers) > BUFFER_SHAPES:
             del self.buffers[next(iter(self.buffers))]
         return buffers
@@ -349,7 +420,7 @@ class DecoderModel(Model):
             raise PymlError(
                 f"the prompt has {T} tokens, more than the {max_len} positions asked for"
             )
-        s, _ = self.buffers_for(B, T)
+        s, _ = self.buffers_for(B, T, every_layer=True)  # fill_cache reads every layer's
         self.load_batch(prompt_ids, s.ids, "input_ids")
         self.load_positions(None, (B, T), s.positions)
         cache = self.DecodeBuffers(self.device, B, max_len)

@@ -4,7 +4,7 @@ are stored, and the thread count of the pool's next parallel loops (the step wak
 its matrix-vector products and attention only).
 
 An op's weights arrive as one tuple, the same types for every format, so that one compiled step
-serves any mix of formats: (kinds, addresses, layer_kinds). `kinds` (layers,
+serves any mix of formats: (kinds, addresses, layer_kinds, down, up). `kinds` (layers,
 rows) uint8 is the kind of each output row and `addresses` (layers, rows) uint64 the absolute
 address of its first byte, in a memory map of the model's file (a GGUF, a safetensors file) that
 the caller keeps open; the kernels read each row there, in the layout the file stores it
@@ -12,7 +12,9 @@ the caller keeps open; the kernels read each row there, in the layout the file s
 file's Q4_K and Q6_K rows, float rows beside quantized ones) and come in any order. `layer_kinds`
 (layers,) uint8 is each layer's kind: its rows' one kind, MIXED, or an int8-activation kind
 (below); the kernels pick a layer's loop by it once, so that a layer of one kind runs a loop of
-that kind's code alone. A model-level weight (the tied LM head) has one layer.
+that kind's code alone. A model-level weight (the tied LM head) has one layer. `down` and `up`
+are a low-rank update the map adds (a LoRA adapter, unmerged: `with_low_rank`), of rank 0 unless
+one is given.
 
     kind              a row's bytes (consecutive blocks)                        value
     ROW_F32, _F16,    little-endian floats                                      as stored
@@ -24,6 +26,8 @@ that kind's code alone. A model-level weight (the tied LM head) has one layer.
     ROW_Q5_0          22 per 32: f16 d, 4 bytes of fifth bits, 16 of nibbles    (q - 16) * d
     ROW_Q4_K          144 per 256: f16 d, f16 dmin, 12 bytes of 6-bit scales    (d sc) q - dmin min
                       and mins, 128 bytes of nibbles
+    ROW_Q5_K          176 per 256: as ROW_Q4_K, with 32 bytes of fifth bits      (d sc) q - dmin min
+                      before the nibbles
     ROW_Q6_K          210 per 256: 128 bytes of low nibbles, 64 of 2-bit        (d sc) (q - 32)
                       highs, 16 int8 scales, f16 d
 
@@ -66,6 +70,7 @@ from pyml.package.quantized_dot import (
     stored_q4_0_values,
     stored_q4_1_values,
     stored_q4_k_values,
+    stored_q5_k_values,
     stored_q5_0_values,
     stored_q6_k_values,
     stored_q8_0_values,
@@ -77,16 +82,18 @@ FAST = {"contract", "reassoc"}
 
 # the kind of each row (uint8 in a weight's `kinds`)
 ROW_Q8_0, ROW_Q4_0, ROW_Q4_1, ROW_Q5_0, ROW_Q4_K, ROW_Q6_K, ROW_F32, ROW_F16, ROW_BF16, ROW_F64 = range(8, 18)
+ROW_Q5_K = 18
 ROW_KIND_OF = {GGMLType.F32: ROW_F32, GGMLType.F16: ROW_F16, GGMLType.BF16: ROW_BF16,
                GGMLType.F64: ROW_F64, GGMLType.Q8_0: ROW_Q8_0, GGMLType.Q4_0: ROW_Q4_0,
                GGMLType.Q4_1: ROW_Q4_1, GGMLType.Q5_0: ROW_Q5_0, GGMLType.Q4_K: ROW_Q4_K,
-               GGMLType.Q6_K: ROW_Q6_K}
+               GGMLType.Q5_K: ROW_Q5_K, GGMLType.Q6_K: ROW_Q6_K}
 # the layout of every kind read by quantized_dot's row loops in float32 (ROW_F64 is read by
 # `stored_float64`, the int8 kinds from their repacked arrays)
 STORED_ROW_LOOPS = {ROW_F32: stored_f32_values, ROW_F16: stored_f16_values, ROW_BF16: stored_bf16_values,
                     ROW_Q8_0: stored_q8_0_values, ROW_Q4_0: stored_q4_0_values,
                     ROW_Q4_1: stored_q4_1_values, ROW_Q5_0: stored_q5_0_values,
-                    ROW_Q4_K: stored_q4_k_values, ROW_Q6_K: stored_q6_k_values}
+                    ROW_Q4_K: stored_q4_k_values, ROW_Q5_K: stored_q5_k_values,
+                    ROW_Q6_K: stored_q6_k_values}
 # a layer's kind (`layer_kinds`) where its rows are not all of one kind
 MIXED = 255
 # a layer's kind where its rows, all ROW_Q8_0, all ROW_Q4_0 or all ROW_Q4_1, multiply int8-rounded
@@ -146,7 +153,7 @@ def linear_stored(weight, layer, x, y):
     int8-activation kinds round every row of x on the calling thread, then take 16 output rows per
     iteration, their blocks put rows by 16 once per 8 sequences (then 4, then 1), each sequence's
     sums its own likewise. No BLAS, so no BLAS thread wakes up."""
-    kinds, addresses, layer_kinds = weight
+    kinds, addresses, layer_kinds = weight[0], weight[1], weight[2]
     kind, row_kinds, row_addresses = layer_kinds[layer], kinds[layer], addresses[layer]
     rows, batch = y.shape[1], y.shape[0]
     if kind == Q8_0_X8 or kind == Q4_0_X8 or kind == Q4_1_X8:
@@ -199,6 +206,9 @@ def linear_stored(weight, layer, x, y):
     elif kind == ROW_Q4_K:
         for row in prange(rows):
             stored_row_products(ROW_Q4_K, row_addresses[row], x, row, y)
+    elif kind == ROW_Q5_K:
+        for row in prange(rows):
+            stored_row_products(ROW_Q5_K, row_addresses[row], x, row, y)
     elif kind == ROW_Q6_K:
         for row in prange(rows):
             stored_row_products(ROW_Q6_K, row_addresses[row], x, row, y)
@@ -220,6 +230,32 @@ def linear_stored(weight, layer, x, y):
                 float64_row_products(row_addresses[row], x, row, y)
             else:
                 stored_row_products(row_kinds[row], row_addresses[row], x, row, y)
+    low_rank_add(weight[3], weight[4], layer, x, y)
+
+
+@njit(parallel=True)
+def low_rank_add(down, up, layer, x, y):
+    """y[b] += up[layer] (down[layer] x[b]) for each row b: a LoRA adapter's update of the linear
+    map, its B (times alpha / r) as `up` (layers, rows, R) and its A as `down` (layers, R, in),
+    the adapters of several row blocks stacked along R (zeros in `up` outside each block's rows),
+    applied beside the stored rows as llama.cpp applies a LoRA adapter, not folded into them. R = 0
+    (no adapter) adds nothing. Each y[b, row] gets its sums in a fixed order, whatever the batch."""
+    rank = down.shape[1]
+    if rank == 0:
+        return
+    hidden = np.zeros((x.shape[0], rank), x.dtype)  # down x[b], R values per row of x
+    for b in range(x.shape[0]):
+        for r in range(rank):
+            total = 0.0
+            for k in range(x.shape[1]):
+                total += down[layer, r, k] * x[b, k]
+            hidden[b, r] = total
+    for row in prange(y.shape[1]):
+        for b in range(y.shape[0]):
+            total = 0.0
+            for r in range(rank):
+                total += up[layer, row, r] * hidden[b, r]
+            y[b, row] += total
 
 
 @njit(fastmath=FAST)
@@ -257,6 +293,58 @@ def embedding_stored(weight, ids, out, scale):
                 out[n, d] *= scale
 
 
+@njit(parallel=True)
+def dequantize_stored_rows(weight, layer, first, tile):
+    """tile[r] = row first + r of layer `layer` of `weight` (the stored form), dequantized as
+    `embedding_stored` dequantizes a row (pyml.formats.quant.dequantize's float32 bits, converted
+    to tile's dtype; ROW_F64 rows as stored): tile (rows, columns) C-contiguous, float32 or
+    float64. A LoRA model's frozen linear maps multiply such tiles by BLAS (QLoRA:
+    pyml/package/cpu/frozen_linear.py), so the whole matrix is never dequantized at once. One
+    parallel loop per layer kind, as in linear_stored."""
+    kinds, addresses, layer_kinds = weight[0], weight[1], weight[2]
+    kind, row_kinds, row_addresses = layer_kinds[layer], kinds[layer], addresses[layer]
+    if first < 0 or first + tile.shape[0] > row_kinds.shape[0]:
+        raise ValueError("the tile's rows lie outside the weight")
+    # the kind is a constant in each call below: each loop holds that kind's code alone
+    if kind == ROW_Q8_0:
+        for r in prange(tile.shape[0]):
+            stored_row_dequantized(ROW_Q8_0, row_addresses[first + r], tile, r)
+    elif kind == ROW_Q4_0:
+        for r in prange(tile.shape[0]):
+            stored_row_dequantized(ROW_Q4_0, row_addresses[first + r], tile, r)
+    elif kind == ROW_Q4_1:
+        for r in prange(tile.shape[0]):
+            stored_row_dequantized(ROW_Q4_1, row_addresses[first + r], tile, r)
+    elif kind == ROW_Q5_0:
+        for r in prange(tile.shape[0]):
+            stored_row_dequantized(ROW_Q5_0, row_addresses[first + r], tile, r)
+    elif kind == ROW_Q4_K:
+        for r in prange(tile.shape[0]):
+            stored_row_dequantized(ROW_Q4_K, row_addresses[first + r], tile, r)
+    elif kind == ROW_Q5_K:
+        for r in prange(tile.shape[0]):
+            stored_row_dequantized(ROW_Q5_K, row_addresses[first + r], tile, r)
+    elif kind == ROW_Q6_K:
+        for r in prange(tile.shape[0]):
+            stored_row_dequantized(ROW_Q6_K, row_addresses[first + r], tile, r)
+    elif kind == ROW_F32:
+        for r in prange(tile.shape[0]):
+            stored_row_dequantized(ROW_F32, row_addresses[first + r], tile, r)
+    elif kind == ROW_F16:
+        for r in prange(tile.shape[0]):
+            stored_row_dequantized(ROW_F16, row_addresses[first + r], tile, r)
+    elif kind == ROW_BF16:
+        for r in prange(tile.shape[0]):
+            stored_row_dequantized(ROW_BF16, row_addresses[first + r], tile, r)
+    else:
+        for r in prange(tile.shape[0]):
+            if row_kinds[first + r] == ROW_F64:
+                for d in range(tile.shape[1]):
+                    tile[r, d] = stored_float64(row_addresses[first + r], d)
+            else:
+                stored_row_dequantized(row_kinds[first + r], row_addresses[first + r], tile, r)
+
+
 def layer_kinds_of(kinds: np.ndarray) -> np.ndarray:
     """The kind of each layer of `kinds` (layers, rows): its rows' one kind, or MIXED."""
     uniform = np.all(kinds == kinds[:, :1], axis=1)
@@ -264,8 +352,9 @@ def layer_kinds_of(kinds: np.ndarray) -> np.ndarray:
 
 
 def stored_weight(kinds: np.ndarray, addresses: np.ndarray) -> tuple:
-    """The stored form (kinds, addresses, layer_kinds) of an op on float activations: kinds
-    (layers, rows) of ROW_* kinds, addresses (layers, rows) of each row's first byte (`row_addresses`). The kernels read
+    """The stored form (kinds, addresses, layer_kinds, down, up) of an op on float activations:
+    kinds (layers, rows) of ROW_* kinds, addresses (layers, rows) of each row's first byte
+    (`row_addresses`), and no low-rank update (`with_low_rank` adds one). The kernels read
     the rows through the addresses alone: the caller keeps the arrays (memory maps) holding them
     alive, and their rows whole (each row's bytes its kind's whole blocks of x.shape[1] values),
     while it runs them."""
@@ -276,7 +365,21 @@ def stored_weight(kinds: np.ndarray, addresses: np.ndarray) -> tuple:
     unknown = np.setdiff1d(kinds, list(STORED_ROW_LOOPS) + [ROW_F64])
     if unknown.size:
         raise ValueError(f"row kinds {unknown.tolist()} are not read where they are stored")
-    return kinds, addresses, layer_kinds_of(kinds)
+    layers, rows = kinds.shape
+    return (kinds, addresses, layer_kinds_of(kinds), np.zeros((layers, 0, 0), np.float32),
+            np.zeros((layers, rows, 0), np.float32))
+
+
+def with_low_rank(weight: tuple, down: np.ndarray, up: np.ndarray) -> tuple:
+    """`weight` (the stored form) whose map adds up[l] (down[l] x) to each row's product
+    (`low_rank_add`): a LoRA adapter kept beside the stored rows. down (layers, R, in) and up
+    (layers, rows, R), float32, of the weight's layers and rows."""
+    kinds = weight[0]
+    down, up = np.ascontiguousarray(down, np.float32), np.ascontiguousarray(up, np.float32)
+    if down.ndim != 3 or up.shape != (*kinds.shape, down.shape[1]) or down.shape[0] != kinds.shape[0]:
+        raise ValueError(f"a low-rank update of {kinds.shape} needs down (layers, R, in) and up "
+                         f"(layers, rows, R), not {down.shape} and {up.shape}")
+    return (*weight[:3], down, up)
 
 
 def row_addresses(data: np.ndarray, rows: int) -> np.ndarray:

@@ -284,6 +284,27 @@ def stored_q4_k_values(builder, row, values, use):
                     builder.add(builder.mul(loop.index, qdot_index(256)), qdot_index(64 * run + 32 * half)))
 
 
+def stored_q5_k_values(builder, row, values, use):
+    """Q5_K: 176-byte blocks of 256 values, float16 d and dmin, 12 bytes of 6-bit scales and mins
+    (as Q4_K's), 32 bytes of fifth bits, 128 bytes of nibbles in 4 runs of 32 (as Q4_K's); the
+    fifth bit of value 64 r + 32 h + i is bit 2 r + h of fifth-bit byte i: value = (d * scale_j)
+    * (q + 16 * bit) - dmin * min_j."""
+    with cgutils.for_range(builder, builder.udiv(values, qdot_index(256))) as loop:
+        block = builder.gep(row, [builder.mul(loop.index, qdot_index(176))])
+        scales = stored_q4_k_scales(builder, block)
+        fifth = qdot_load(builder, block, qdot_index(16), QDOT_I8, 32)
+        for run in range(4):
+            packed = qdot_load(builder, block, qdot_index(48 + 32 * run), QDOT_I8, 32)
+            nibbles = (builder.and_(packed, qdot_bytes(15, 32)), builder.lshr(packed, qdot_bytes(4, 32)))
+            for half in range(2):
+                bit = builder.and_(builder.lshr(fifth, qdot_bytes(2 * run + half, 32)), qdot_bytes(1, 32))
+                q = builder.or_(nibbles[half], builder.shl(bit, qdot_bytes(4, 32)))
+                scale, minimum = (stored_lane(builder, vector, 2 * run + half, 32) for vector in scales)
+                q = builder.uitofp(q, qdot_vector_type(QDOT_F32, 32))
+                use(builder.fsub(builder.fmul(scale, q), minimum),
+                    builder.add(builder.mul(loop.index, qdot_index(256)), qdot_index(64 * run + 32 * half)))
+
+
 def stored_q6_k_values(builder, row, values, use):
     """Q6_K: 210-byte blocks of 256 values, two halves of 128 (128 bytes of low nibbles, 64 of
     2-bit highs, 16 int8 scales, one half's after the other's), then float16 d. In half h: low

@@ -45,6 +45,7 @@ COMMON_DEFAULTS = {
     "warmup_steps": 0,
     "min_lr": 0.0,
     "packing": True,
+    "recompute": False,  # gradient checkpointing: the same results in less memory, more time
     # every checkpoint is kept, as transformers' save_total_limit=None keeps them: the best one is
     # often not the latest, and a deleted one cannot be had back (--keep N to save the disk)
     "keep": None,
@@ -85,6 +86,9 @@ class TrainingConfig:
     packing: bool | None = True  # JSONL examples: several to a row, attending within each
     epochs: float | None = None  # passes over the training rows that gave `steps`; None: --steps
     keep: int | None = None  # checkpoints kept (the newest, and the best evaluated); None: all
+    # a decoder's backward runs each block again instead of keeping its activations (None: a
+    # checkpoint from before the option, which did not); a resume may change it, as --device
+    recompute: bool | None = False
 
 
 def steps_for_epochs(epochs: float, rows: int, batch: int, accumulate: int) -> int:

@@ -78,10 +78,10 @@ def evaluate_folder(model_dir: Path, data: Path, adapter: Path | None = None, se
                     batch: int = 2, train_on: str | None = None, long_examples: str | None = None,
                     dtype: str = "float32") -> dict:
     """`pyml eval`: the loss and perplexity of the model in `model_dir` (with a LoRA `adapter`
-    folded in) on every row of `data` (text windows of `seq` tokens, or JSONL examples), counted as
-    training counts its targets. In float32 without an adapter the logits come from the decode step
-    on the weights as the folder stores them (no float32 copy: an 8B GGUF scores in its file's
-    memory); in float64, or with an adapter, from a float copy of the model."""
+    beside its weights) on every row of `data` (text windows of `seq` tokens, or JSONL examples),
+    counted as training counts its targets. In float32 the logits come from the decode step on the
+    weights as the folder stores them, an adapter's updates beside them (no float32 copy: an 8B
+    GGUF scores in its file's memory); in float64 from a float64 copy, the adapter folded in."""
     from pyml.generate.decoding import load_decoder, load_model
     from pyml.train import examples
     from pyml.train.data import load_corpus
@@ -91,10 +91,10 @@ def evaluate_folder(model_dir: Path, data: Path, adapter: Path | None = None, se
         raise PymlError("--seq and --batch must be at least 1")
     if dtype not in ("float32", "float64"):
         raise PymlError(f"--dtype must be float32 or float64, got {dtype}")
-    if adapter is None and dtype == "float32":  # the weights as stored, through the decode step
-        scorer = load_decoder(Path(model_dir))
+    if dtype == "float32":  # the weights as stored, through the decode step
+        scorer = load_decoder(Path(model_dir), adapter=adapter)
         model = scorer.model
-    else:  # a float64 model, or the adapters folded into a float32 copy
+    else:  # a float64 model, the adapters folded in
         scorer = model = load_model(Path(model_dir), adapter=adapter, dtype=np.dtype(dtype))
     if seq > model.MAX_SEQ_LEN:
         raise PymlError(f"--seq {seq} exceeds the model's max_seq_len {model.MAX_SEQ_LEN}")

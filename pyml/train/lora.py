@@ -28,7 +28,9 @@ from pyml.errors import PymlError
 from pyml.formats.model_folder import (
     ADAPTER_CONFIG_FILE,
     DESCRIPTION_FILES,
+    GENERAL_FILE,
     MODEL_FILE,
+    SOURCE_GGUF,
     SPEC_FILE,
     is_model_folder,
 )
@@ -164,26 +166,20 @@ def read_adapter_config(folder: Path) -> dict:
     return config
 
 
-def merged_tensors(base: Path, adapter: Path) -> dict[str, np.ndarray]:
-    """The base folder's tensors with every adapted projection W replaced by
-    W + (lora_alpha / r) B A, in W's dtype; every adapter tensor checked against the base."""
+def adapter_pairs(stored: StoredFolder, adapter: Path) -> tuple[dict[str, tuple], float]:
+    """{base weight name: (lora_A, lora_B)} of a peft adapter folder, every adapter tensor checked
+    against the base's weights (`stored`), and the adapters' scale lora_alpha / r."""
     config = read_adapter_config(adapter)
     adapters = read_adapter_tensors(adapter)
-    stored = StoredFolder(base)
     base_path = stored.path / stored.source
-    # float32, or float64 where the base stores it (the reference tests' checkpoints): the merge
-    # adds in float64 and rounds back to this
-    tensors = {name: tensor.dense(np.float64 if tensor.ggml_type == GGMLType.F64 else np.float32)
-               for name, tensor in stored.tensors.items()}
     adapter_path = Path(adapter) / ADAPTER_MODEL_FILE
     if not adapters:
         raise PymlError(f"{adapter_path}: holds no adapter tensors")
-    scale = config["lora_alpha"] / config["r"]
-    merged = dict(tensors)
     for name in adapters:
         if not name.endswith((".lora_A.weight", ".lora_B.weight")):
             raise PymlError(f"{adapter_path}: {PEFT_PREFIX}{name} is neither a lora_A nor a "
                             "lora_B weight")
+    pairs = {}
     for module in sorted({name.rsplit(".lora_", 1)[0] for name in adapters}):
         names = {part: f"{module}.lora_{part}.weight" for part in "AB"}
         for name in names.values():
@@ -191,27 +187,124 @@ def merged_tensors(base: Path, adapter: Path) -> dict[str, np.ndarray]:
                 raise PymlError(f"{adapter_path}: {PEFT_PREFIX}{name} missing")
         down, up = adapters[names["A"]], adapters[names["B"]]
         weight_name = f"{module}.weight"
-        if weight_name not in tensors:
+        if weight_name not in stored.tensors:
             raise PymlError(f"{adapter_path}: adapts {weight_name}, which {base_path} does not "
                             "hold; is ADAPTER an adapter of this base?")
-        weight = tensors[weight_name]
+        shape = tuple(stored.tensors[weight_name].shape)
         if down.ndim != 2 or up.ndim != 2 or down.shape[0] != config["r"] or up.shape != (
-                weight.shape[0], config["r"]) or down.shape[1] != weight.shape[1]:
+                shape[0], config["r"]) or down.shape[1] != shape[1]:
             raise PymlError(
                 f"{adapter_path}: {module} has lora_A {down.shape} and lora_B {up.shape}; the base's "
-                f"{weight_name} {weight.shape} with r {config['r']} needs lora_A "
-                f"({config['r']}, {weight.shape[1]}) and lora_B ({weight.shape[0]}, {config['r']})")
-        update = up.astype(np.float64) @ down.astype(np.float64)
-        merged[weight_name] = (weight.astype(np.float64) + scale * update).astype(weight.dtype)
-    return merged
+                f"{weight_name} {shape} with r {config['r']} needs lora_A "
+                f"({config['r']}, {shape[1]}) and lora_B ({shape[0]}, {config['r']})")
+        pairs[weight_name] = (down, up)
+    return pairs, config["lora_alpha"] / config["r"]
 
 
-def merge_lora(base: Path, adapter: Path, out: Path, overwrite: bool = False) -> Path:
-    """Write the model folder of `base` with `adapter` folded in to `out`: model.safetensors,
-    and the base's spec.toml (a spec without [lora]), config, tokenizer and chat template. Every
-    input is checked before anything is written; `out` is written whole, replacing an empty or a
-    model folder there (anything else only with `overwrite`), so nothing of it (no source.gguf,
-    which would no longer describe the weights) survives."""
+def merged(weight: np.ndarray, pair: tuple, scale: float) -> np.ndarray:
+    """W + scale B A, added in float64, in W's dtype."""
+    down, up = pair
+    update = up.astype(np.float64) @ down.astype(np.float64)
+    return (weight.astype(np.float64) + scale * update).astype(weight.dtype)
+
+
+def merged_tensors(base: Path, adapter: Path) -> dict[str, np.ndarray]:
+    """The base folder's tensors with every adapted projection W replaced by
+    W + (lora_alpha / r) B A, in W's dtype; every adapter tensor checked against the base."""
+    stored = StoredFolder(base)
+    pairs, scale = adapter_pairs(stored, adapter)
+    # float32, or float64 where the base stores it (the reference tests' checkpoints): the merge
+    # adds in float64 and rounds back to this
+    tensors = {name: tensor.dense(np.float64 if tensor.ggml_type == GGMLType.F64 else np.float32)
+               for name, tensor in stored.tensors.items()}
+    return tensors | {name: merged(tensors[name], pair, scale) for name, pair in pairs.items()}
+
+
+class RequantizationError:
+    """How far requantizing merged matrices to their stored types moves them from the float merge:
+    sums over every merged matrix of the squared error and of the squared values (relative RMS)."""
+
+    def __init__(self):
+        self.squared_error = self.squared_values = 0.0
+        self.types: set[str] = set()
+
+    def measured(self, values: np.ndarray, kind: GGMLType) -> np.ndarray:
+        from pyml.formats.quant import dequantize
+        from pyml.formats.quantize import ENCODABLE, quantize
+
+        if kind in ENCODABLE and len(values.shape) == 2 and kind not in (GGMLType.F32,):
+            encoded = quantize(values, kind)
+            error = dequantize(encoded.reshape(-1).view(np.uint8), kind, values.shape) - values
+            self.squared_error += float(np.sum(error.astype(np.float64) ** 2))
+            self.types.add(kind.name)
+        self.squared_values += float(np.sum(values.astype(np.float64) ** 2))
+        return values
+
+    def describe(self, count: int) -> str:
+        relative = (self.squared_error / self.squared_values) ** 0.5 if self.squared_values else 0.0
+        return (f"merged {count} matrices, requantized to their stored types "
+                f"({'/'.join(sorted(self.types)) or 'none'}): {100 * relative:.3f}% relative RMS error "
+                "against the float merge")
+
+
+def low_rank_updates(adapter: Path, linears, n_layers: int, tensors: dict) -> dict[str, tuple]:
+    """The update a peft LoRA adapter folder adds to each linear op of a fused decode step, kept
+    beside the base's stored rows (`pyml.package.decode_cpu.with_low_rank`): {op prefix: (down,
+    up)}, down (layers, R, in) the A of each adapted row block stacked, up (layers, rows, R) its
+    (lora_alpha / r) B in that block's rows, zero elsewhere. `linears` are the step's LINEARS,
+    `tensors` the base's (StoredTensors by name, to check each A's width against its matrix's).
+    Every adapter tensor must adapt one of the ops' matrices, as in `merged_tensors`."""
+    config, adapters = read_adapter_config(adapter), read_adapter_tensors(adapter)
+    adapter_path, rank = Path(adapter) / ADAPTER_MODEL_FILE, config["r"]
+    if not adapters:
+        raise PymlError(f"{adapter_path}: holds no adapter tensors")
+    scale = config["lora_alpha"] / rank
+    used, updates = set(), {}
+    for prefix, _, _, parts in linears:
+        layers = n_layers if "{l}" in parts[0][0] else 1
+        blocks = [(pattern, first, last) for pattern, first, last in parts
+                  if pattern.format(l=0).removesuffix(".weight") + ".lora_A.weight" in adapters]
+        if not blocks:
+            continue
+        columns = tensors[parts[0][0].format(l=0)].shape[1]
+        down = np.zeros((layers, rank * len(blocks), columns), np.float32)
+        up = np.zeros((layers, parts[-1][2], rank * len(blocks)), np.float32)
+        for layer in range(layers):
+            for index, (pattern, first, last) in enumerate(blocks):
+                module = pattern.format(l=layer).removesuffix(".weight")
+                names = [f"{module}.lora_{part}.weight" for part in "AB"]
+                missing = [name for name in names if name not in adapters]
+                if missing:
+                    raise PymlError(f"{adapter_path}: {PEFT_PREFIX}{missing[0]} missing")
+                a, b = (adapters[name] for name in names)
+                if a.shape != (rank, columns) or b.shape != (last - first, rank):
+                    raise PymlError(
+                        f"{adapter_path}: {module} has lora_A {a.shape} and lora_B {b.shape}; the "
+                        f"base's {module}.weight {(last - first, columns)} with r {rank} needs lora_A "
+                        f"({rank}, {columns}) and lora_B ({last - first}, {rank})")
+                span = slice(index * rank, (index + 1) * rank)
+                down[layer, span] = a
+                up[layer, first:last, span] = scale * b.astype(np.float64)
+                used.update(names)
+        updates[prefix] = (down, up)
+    unused = sorted(set(adapters) - used)
+    if unused:
+        raise PymlError(f"{adapter_path}: {PEFT_PREFIX}{unused[0]} adapts no linear map of the base "
+                        "(is ADAPTER an adapter of this base?)")
+    return updates
+
+
+def merge_lora(base: Path, adapter: Path, out: Path, overwrite: bool = False,
+               weights: str = "as-stored", say=print) -> Path:
+    """Write the model folder of `base` with `adapter` folded in to `out`, with the base's
+    spec.toml (a spec without [lora]), config, tokenizer and chat template. Its weights: for a
+    base that holds a GGUF and `weights` "as-stored", a GGUF of its own (source.gguf) in the
+    base's types, each merged matrix requantized to its type (the error that adds against the
+    float merge is said through `say`) and every other tensor's bytes as they were, so the merged
+    model costs what the base does; otherwise ("f32") model.safetensors in float32 (float64 where
+    the base stores it), which transformers loads. Every input is checked before anything is
+    written; `out` is written whole, replacing an empty or a model folder there (anything else
+    only with `overwrite`), so nothing of an older folder there survives."""
     base, adapter, out = Path(base), Path(adapter), Path(out)
     for folder, what in ((base, "BASE"), (adapter, "ADAPTER")):
         if not folder.is_dir():
@@ -229,15 +322,35 @@ def merge_lora(base: Path, adapter: Path, out: Path, overwrite: bool = False) ->
     if out.resolve() in (base.resolve(), adapter.resolve()):
         raise PymlError(f"--out {out} is {'BASE' if out.resolve() == base.resolve() else 'ADAPTER'}: "
                         "write the merged model to another folder")
+    if weights not in ("as-stored", "f32"):
+        raise PymlError(f"--weights must be as-stored or f32, not {weights!r}")
     check_destination(out, "a model folder", is_model_folder, overwrite)
-    tensors = merged_tensors(base, adapter)
+    stored = StoredFolder(base)
+    in_gguf = weights == "as-stored" and stored.source == SOURCE_GGUF
+    if in_gguf:
+        from pyml.formats.gguf_export import export_gguf, general_metadata
+
+        pairs, scale = adapter_pairs(stored, adapter)
+        error = RequantizationError()
+        replaced = {name: (lambda name=name: error.measured(
+            merged(stored.tensors[name].dense(np.float32), pairs[name], scale), stored.tensors[name].ggml_type))
+            for name in pairs}
+    else:
+        tensors = merged_tensors(base, adapter)
     try:
         with written_folder(out) as folder:
-            write_safetensors(folder / MODEL_FILE, tensors)
+            if in_gguf:
+                export_gguf(base, folder / SOURCE_GGUF, "as-stored", progress=False, replaced=replaced)
+                (folder / GENERAL_FILE).write_text(
+                    json.dumps(general_metadata(base, fine_tune=True), indent=2) + "\n", encoding="utf-8")
+            else:
+                write_safetensors(folder / MODEL_FILE, tensors)
             (folder / SPEC_FILE).write_bytes(base_spec.read_bytes())
             for name in DESCRIPTION_FILES:
-                if (base / name).is_file():
+                if (base / name).is_file() and not (in_gguf and name == GENERAL_FILE):
                     (folder / name).write_bytes((base / name).read_bytes())
     except OSError as error:
         raise PymlError(f"{out}: cannot write the merged model: {os_error(error)}") from None
+    if in_gguf:
+        say(error.describe(len(pairs)))
     return out

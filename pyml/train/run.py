@@ -85,13 +85,15 @@ def train(
     packing: bool | None = None,
     epochs: float | None = None,
     keep: int | None = None,
+    recompute: bool | None = None,
 ) -> TrainingResult:
     """Train the generated package of the spec at `spec_path` (default: the `init` folder's
     spec.toml, or when resuming the checkpoint's); options left as None take the checkpoint's
     values when resuming, else the defaults in `pyml.train.config`. `steps`, when given, overrides
     `epochs` (as transformers' max_steps overrides num_train_epochs). Prints a summary at the end. `group` is this process's part in data-parallel
     training (`pyml.train.distributed`). `lora_rank` (with `lora_alpha` and `lora_targets`)
-    trains LoRA adapters instead (see above)."""
+    trains LoRA adapters instead (see above). `recompute` trades time for a decoder's activation
+    memory (`DecoderModel.recompute`)."""
     from pyml.packages import spec_file
     from pyml.spec import SequentialModel, load_spec
 
@@ -122,7 +124,7 @@ def train(
         "train_on": train_on, "long_examples": long_examples,
         "eval_data": None if eval_data is None else str(eval_data), "accumulate": accumulate,
         "schedule": schedule, "warmup_steps": warmup_steps, "min_lr": min_lr, "log": log,
-        "packing": packing, "epochs": epochs, "keep": keep,
+        "packing": packing, "epochs": epochs, "keep": keep, "recompute": recompute,
     }  # fmt: skip
     if resume:
         for name in FIXED_ON_RESUME:
@@ -159,6 +161,9 @@ def train(
         **{field.name: values.get(field.name) for field in dataclasses.fields(TrainingConfig)}
     )
     check_config(config)
+    if config.recompute and form == "sequential":
+        raise PymlError("--recompute runs a decoder's blocks again in the backward; "
+                        "a sequential model has none: leave it out")
     if config.lora is None:
         package = package_for(spec_path)
     else:
@@ -166,10 +171,12 @@ def train(
     dtype_and_device = {"dtype": np.dtype(config.dtype), "device": config.device}
     lora_table = spec.lora if form == "decoder" else None  # the spec's own, or the flags'
     if lora_table is not None:
-        say_dense_copy(Path(config.init), config.dtype, "the base weights",
-                       "; LoRA over the weights as stored is not built yet")
+        if config.device != "cpu":
+            say_dense_copy(Path(config.init), config.dtype, "the base weights",
+                           "; on the CPU the base's linear maps are read where they are stored")
         # a resume then loads the checkpoint's adapters over the freshly initialised ones
         model = package.Model.from_base(Path(config.init), seed=config.seed, **dtype_and_device)
+        say_stored_base(model, Path(config.init))
         model_files = adapter_files(lora_table, Path(config.init))
     else:
         if resume or config.init is not None:
@@ -180,6 +187,10 @@ def train(
         else:
             model = package.Model.initialized(seed=config.seed, **dtype_and_device)
         model_files = folder_files(spec_path, None if config.init is None else Path(config.init))
+    if form == "decoder":
+        model.recompute = bool(config.recompute)
+        check_activation_memory(spec, config, 1 if group is None else group.ranks,
+                                group is None or group.is_root)
     # the data after the model: a spec that does not fit the --init weights is named before an
     # option (--seq) that only does not fit the spec
     if form == "sequential":
@@ -196,6 +207,36 @@ def train(
     )
     print(describe_result(result, out))
     return result
+
+
+def check_activation_memory(spec, config: TrainingConfig, ranks: int, say: bool) -> None:
+    """Say (where `say`) what the activations of a decoder's training step hold at the run's rows
+    (each rank's share of --batch), --seq and --dtype, with and without --recompute
+    (`schedule.training_memory`), and refuse a CPU run whose activations do not fit the memory
+    left once the weights are loaded, before they are allocated."""
+    from pyml.codegen.emit import binary_size
+    from pyml.codegen.lower import lower
+    from pyml.codegen.schedule import plan_layout, training_memory
+    from pyml.package.base import available_memory
+
+    graph = lower(spec)
+    layout = plan_layout(graph)
+    rows = -(-config.batch // ranks)
+    kept, recomputed = (training_memory(graph, layout, rows, config.seq, np.dtype(config.dtype).itemsize,
+                                        recompute)["activations"] for recompute in (False, True))
+    if config.recompute:
+        held = f"{binary_size(recomputed)} with --recompute ({binary_size(kept)} without)"
+    else:
+        held = f"{binary_size(kept)} ({binary_size(recomputed)} with --recompute)"
+    what = f"the activations of a training step at batch {rows}x{config.seq}"
+    available = available_memory()
+    if config.device == "cpu" and (recomputed if config.recompute else kept) > available:
+        remedy = "" if config.recompute or recomputed > available else "train with --recompute, or "
+        raise PymlError(f"{what} need {held} but {binary_size(available)} of memory is left: "
+                        f"{remedy}put fewer rows through at a time (a smaller --batch with a "
+                        "larger --accumulate) or train a shorter --seq")
+    if say:
+        print(f"memory: {what} hold {held}")
 
 
 def resumed_spec(checkpoint: Path, recorded: dict) -> Path:
@@ -250,6 +291,19 @@ def say_dense_copy(init: Path, dtype: str, what: str, note: str = "") -> None:
     print(f"pyml: making a {np.dtype(dtype).name} copy of {what}: "
           f"{size_text(values * np.dtype(dtype).itemsize)} in memory, from {stored.describe()}{note}",
           file=sys.stderr)
+
+
+def say_stored_base(model, init: Path) -> None:
+    """Say on stderr, for a LoRA run over a base folder, that its linear maps are read where the
+    folder stores them (QLoRA) and what the float copies of the rest (the embedding, norms) cost."""
+    maps = model.stored_maps
+    if maps is None:
+        return
+    formats = sorted({part for text in maps.formats.values() for part in text.split("/")})
+    dense = model.Parameters.FROZEN_SIZE * model.device.dtype.itemsize
+    print(f"pyml: LoRA over the base as stored: {StoredFolder(init).describe()}, its linear maps "
+          f"({'/'.join(formats)}) read in place; the embedding and norms as "
+          f"{model.device.dtype.name}: {size_text(dense)}", file=sys.stderr)
 
 
 def digits_pairs(config: TrainingConfig, package: ModuleType):

@@ -42,6 +42,18 @@ def test_llama_tiny_logits_loss_gradients_and_decoding():
     np.testing.assert_allclose(gpu.decode(gpu_cache, ids[:, 2]), cpu.decode(cpu_cache, ids[:, 2]), **TOL)
 
 
+def test_llama_tiny_recomputed_gradients_are_the_kept_ones():
+    """`recompute` (pyml train --recompute) on the device: the backward runs each block again into
+    the one slot of saved activations, and the loss and gradients are bit for bit the kept ones'."""
+    gpu = llama.Model.initialized(seed=2, dtype=np.float64, device="cuda")
+    rng = np.random.default_rng(1)
+    ids, targets = rng.integers(0, llama.model.VOCAB, (2, 3)), rng.integers(0, llama.model.VOCAB, (2, 3))
+    kept = gpu.loss_and_grads(ids, targets), host(gpu, gpu.grads.flat).copy()
+    gpu.recompute = True
+    assert gpu.loss_and_grads(ids, targets) == kept[0]
+    assert np.array_equal(host(gpu, gpu.grads.flat), kept[1])
+
+
 def test_mlp_digits_logits_loss_gradients_and_a_clipped_step():
     gpu, cpu = pair(mlp)
     rng = np.random.default_rng(0)

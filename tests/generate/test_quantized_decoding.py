@@ -395,4 +395,5 @@ def test_prefills_of_every_length_keep_the_buffers_of_a_few():
     model = tiny.Model()
     for length in range(1, 20):
         model.start_decoding(np.array([list(range(1, length + 1))]), 32)
-    assert list(model.buffers) == [(1, length) for length in range(20 - BUFFER_SHAPES, 20)]
+    assert list(model.buffers) == [(1, length, tiny.Model.N_LAYERS)
+                                   for length in range(20 - BUFFER_SHAPES, 20)]

@@ -19,7 +19,6 @@ from gguf import GGMLQuantizationType as GGML
 from gguf.quants import quantize
 
 from pyml import exact
-from pyml.formats.gguf_quantized import BLOCKS
 from pyml.formats.quant import GGMLType, dequantize
 from pyml.package.decode_cpu import (
     INT8_LAYER_KIND_OF,
@@ -32,12 +31,13 @@ from pyml.package.decode_cpu import (
     stored_weight,
 )
 from tests.support.quantized_cases import (
+    BLOCKS,
     assert_within_float32_sum,
     exact_weights,
     real_weights,
 )
 
-QUANTIZED = (GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q4_K, GGML.Q6_K)
+QUANTIZED = (GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q4_K, GGML.Q5_K, GGML.Q6_K)
 FLOATS = (GGML.F32, GGML.F16, GGML.BF16)
 KINDS = QUANTIZED + FLOATS
 # Gemma 3's embedding scale, sqrt(640), rounded to float32 as the step is given it
@@ -144,7 +144,7 @@ def test_kinds_mixed_within_and_across_layers_in_any_row_order():
     rng = np.random.default_rng(4)
     columns = 512
     first = mixed_layer(KINDS, 3, columns, rng, exact_values=True)
-    second = mixed_layer((GGML.Q4_K, GGML.Q6_K, GGML.F16), 9, columns, rng, exact_values=True)
+    second = mixed_layer((GGML.Q4_K, GGML.Q6_K, GGML.F16), len(KINDS), columns, rng, exact_values=True)
     weight = stored_weight(np.stack([first[1], second[1]]), np.stack([first[2], second[2]]))
     x = rng.integers(-8, 9, (5, columns))
     for layer, (_, _, _, weights) in enumerate((first, second)):

@@ -9,15 +9,18 @@ size as 1.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from tests.support.conformance_cases import (
     CONFIGS,
     CPU,
+    STORED_ROW_TYPES,
     case_attention_backward,
     case_attention_forward_one_token,
     case_embedding,
     case_frozen_linear,
+    case_frozen_linear_stored,
     case_linear,
     case_relu_backward,
     case_residual,
@@ -100,3 +103,15 @@ def test_attention_forward_one_token(config, seed):
     """attention forward and decode with one token: P == [[1]] and O == matMul P V_g (Lean
     definition matMul, the product whose adjoints are matmul_adjoint_left/right)."""
     case_attention_forward_one_token(CPU, config, seed)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("kinds", [(kind,) for kind in STORED_ROW_TYPES] + [STORED_ROW_TYPES])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_frozen_linear_on_stored_rows(seed, kinds, dtype, monkeypatch):
+    """a frozen linear map whose rows are read where a GGUF stores them (QLoRA): forward ==
+    matMul X (transpose W) and dX == matMul G W (law linear_weight_adjoint_input), W the matrix of
+    the rows' dequantized values, per row type and for a layer of mixed rows; tiles of 16 rows, so
+    that a map of up to 40 rows takes several."""
+    monkeypatch.setattr("pyml.package.cpu.frozen_linear.TILE_VALUES", 1)
+    case_frozen_linear_stored(seed, kinds, dtype)

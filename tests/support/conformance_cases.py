@@ -453,3 +453,59 @@ def case_attention_forward_one_token(target: Target, config: str, seed: int):
     decode = lambda q, kc, vc, out: kern.attn_decode(q, kc, vc, 1, out)  # noqa: E731
     out = run(target, decode, q, k_cache, v_cache, np.full((b, 1, heads * hd), 99.0))[3]
     assert_exact(out, expected.reshape(b, 1, heads * hd), "attention decode, length 1: O = P V")
+
+
+# ---------------------------------------------------------------------------------------------
+# a frozen linear map on rows read where they are stored (QLoRA; CPU only)
+
+STORED_ROW_TYPES = ("Q8_0", "Q4_0", "BF16", "F16", "F32")
+
+
+def stored_row_bytes(kind: str, values: np.ndarray) -> np.ndarray:
+    """One row of small integers (a whole number of 32-value blocks) in `kind`'s bytes, with the
+    block scale 1 (so that the dequantized row is `values` exactly)."""
+    one = np.array([1.0], np.float16).view(np.uint8)
+    if kind == "Q8_0":  # per block: f16 d, 32 int8 q; value q * d
+        return np.concatenate([np.concatenate([one, block.astype(np.int8).view(np.uint8)])
+                               for block in values.reshape(-1, 32)])
+    if kind == "Q4_0":  # per block: f16 d, 16 bytes (value j low nibble, j + 16 high); (q - 8) * d
+        return np.concatenate([np.concatenate([one, ((block[:16] + 8) | ((block[16:] + 8) << 4)).astype(np.uint8)])
+                               for block in values.reshape(-1, 32).astype(np.int64)])
+    if kind == "BF16":
+        return (values.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    return values.astype({"F16": np.float16, "F32": np.float32}[kind]).view(np.uint8)
+
+
+def case_frozen_linear_stored(seed: int, kinds: tuple[str, ...], dtype):
+    """y = x Wᵀ and dX = G W with W's rows read where they are stored, each row of one of `kinds`
+    (several: a layer of mixed rows), block scales 1: W is the exact model's matrix of the rows'
+    dequantized values. float64 runs the tiles' BLAS products; float32 with few rows the decode
+    step's row products (exact too: every partial sum is a small integer)."""
+    from pyml.formats.quant import GGMLType, dequantize
+    from pyml.package.decode_cpu import ROW_KIND_OF, row_addresses, stored_weight
+    from pyml.package.stored_rows import StoredRows
+
+    d = Draw(seed)
+    n, k, m = d.size(), 32 * d.size(2), d.size(40)
+    kern = load("cpu", [("frozen_linear", dict(p="fc", in_features=k, out_features=m, bias=False,
+                                               adapters=(), rank=1, scale=1.0))])
+    row_kinds = [kinds[int(d.rng.integers(len(kinds)))] for _ in range(m)]
+    values = d.ints(m, k, low=-8, high=7)
+    rows = [stored_row_bytes(kind, row) for kind, row in zip(row_kinds, values, strict=True)]
+    for kind, row, raw in zip(row_kinds, values, rows, strict=True):  # the bytes mean W
+        assert np.array_equal(dequantize(raw, GGMLType[kind], (k,)), row), kind
+    addresses = np.array([row_addresses(raw, 1)[0] for raw in rows], np.uint64)
+    weight = stored_weight(np.array([[ROW_KIND_OF[GGMLType[kind]] for kind in row_kinds]]),
+                           addresses[None, :])
+    w = StoredRows(weight, 0, (m, k), dtype, "/".join(sorted(set(row_kinds))))
+    x, g = d.ints(n, k).astype(dtype), d.ints(n, m).astype(dtype)
+    X, W, G = as_ints(x.astype(np.float64)), as_ints(values), as_ints(g.astype(np.float64))
+    y = np.full((n, m), 99.0, dtype)
+    kern.fc_forward(x, w, y)
+    assert_exact(y.astype(np.float64), exact.mat_mul(X, exact.transpose(W)),
+                 f"frozen linear forward Y = X Wᵀ on {w.formats} rows")
+    dx = np.full((n, k), 99.0, dtype)
+    kern.fc_backward(x, w, g, dx)
+    assert_exact(dx.astype(np.float64), exact.mat_mul(G, W),
+                 f"frozen linear dX = G W on {w.formats} rows")
+    del rows  # the addresses point into these: kept alive until here

@@ -41,10 +41,7 @@ def random_tensors(package, seed: int) -> dict[str, np.ndarray]:
     """Weights large enough that every non-linearity bends: matrices N(0, 1/fan_in), gains near 1
     (near 0 where the gain is 1 + w), biases N(0, 0.3)."""
     rng = np.random.default_rng(seed)
-    host = package.Model.host_parameters()
-    table = dict(package.Model.TENSOR_TABLE(host))
-    if package.Model.FROZEN_TENSOR_TABLE is not None:
-        table |= package.Model.FROZEN_TENSOR_TABLE(host)
+    table = package.Model.tensor_entries(package.Model.host_parameters())  # frozen ones too
     tensors = {}
     for name, (view, init, _) in table.items():
         if view.ndim == 2:

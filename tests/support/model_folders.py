@@ -17,11 +17,15 @@ import gguf
 import numpy as np
 
 from pyml.formats.gguf_import import import_gguf
+from pyml.formats.quant import GGMLType
+from pyml.formats.quantize import quantize
 from pyml.formats.safetensors_io import write_safetensors
 from pyml.formats.stored_tensors import StoredFolder
 from pyml.spec import load_spec
 
 SPECS = Path(__file__).resolve().parents[2] / "specs"
+K_QUANTS = (gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K,
+            gguf.GGMLQuantizationType.Q6_K)
 # llama_tiny's dims, read from its spec so that the two never part.
 LLAMA_SPEC = load_spec(SPECS / "llama_tiny.toml")
 LLAMA_ATTENTION = LLAMA_SPEC.block.attention
@@ -164,8 +168,8 @@ def write_gguf(path: Path, architecture: str, dims: dict[str, int],
     vocabulary (phi3's always), with `pre` another byte-level pre-tokenizer ("llama-bpe":
     LLAMA3_TOKENS), with `general` these `general.*` keys (strings, counts and lists of strings, as
     llama.cpp's converter types them), with `tensor_types` the matrices whose name holds a key
-    stored in its type (the first key that matches; "" matches every matrix; F16, or a type
-    gguf-py quantizes). A phi3 one has its own head (untied), RoPE on dims["rope_dims"] features of
+    stored in its type (the first key that matches; "" matches every matrix; F16, a type gguf-py
+    quantizes, or a K-quant, which pyml's quantizer encodes). A phi3 one has its own head (untied), RoPE on dims["rope_dims"] features of
     each head (default all) and a window of dims["window"] positions (default 0: none). Every
     model is of 64 positions."""
     gemma, qwen2, qwen3 = architecture == "gemma3", architecture == "qwen2", architecture == "qwen3"
@@ -285,6 +289,8 @@ def write_gguf(path: Path, architecture: str, dims: dict[str, int],
         stored_type = next((kind for key, kind in (tensor_types or {}).items() if key in name), None)
         if weight.ndim == 2 and stored_type == gguf.GGMLQuantizationType.F16:
             writer.add_tensor(name, weight.astype(np.float16))
+        elif weight.ndim == 2 and stored_type in K_QUANTS:  # gguf-py dequantizes these only
+            writer.add_tensor(name, quantize(weight, GGMLType(int(stored_type))), raw_dtype=stored_type)
         elif weight.ndim == 2 and stored_type is not None:
             writer.add_tensor(name, gguf.quants.quantize(weight, stored_type), raw_dtype=stored_type)
         else:

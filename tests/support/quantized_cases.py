@@ -22,10 +22,14 @@ from gguf import GGMLQuantizationType as GGML
 from gguf.quants import dequantize, quantize
 
 from pyml import exact
-from pyml.formats.gguf_quantized import BLOCKS, quantized_matrix
+from pyml.formats.gguf_quantized import BLOCKS as CUDA_BLOCKS
+from pyml.formats.gguf_quantized import quantized_matrix
 from pyml.formats.quant import GGMLType
 from pyml.generate.cuda_weights import STEP_KINDS, kept_arrays, weight_tuple
 from pyml.package.decode_cuda import DENSE
+
+# values and bytes per block of each quantized type the CPU reads as stored (CUDA's and Q5_K)
+BLOCKS = CUDA_BLOCKS | {GGML.Q5_K: (256, 176)}
 
 TYPES = (GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q4_K, GGML.Q6_K)  # the types of the shipped GGUFs
 # float32 unit roundoff: a sum of K products is within K * UNIT * sum |w x| of the exact one
@@ -64,14 +68,19 @@ def encode(ggml: GGML, q: np.ndarray, d: np.ndarray, second: np.ndarray | None =
         fifth = ((q >> 4) & 1).astype(np.uint32) << np.arange(32, dtype=np.uint32)
         out[..., 2:6] = np.ascontiguousarray(fifth.sum(-1, dtype=np.uint32)[..., None]).view(np.uint8)
         out[..., 6:] = nibbles(q[..., :16] & 15, q[..., 16:] & 15)
-    elif ggml == GGML.Q4_K:
+    elif ggml in (GGML.Q4_K, GGML.Q5_K):
         scales, mins = sub_scales
         out[..., :2], out[..., 2:4] = half_bytes(d[..., None]), half_bytes(second[..., None])
         out[..., 4:8] = scales[..., :4] | ((scales[..., 4:] >> 4) << 6)
         out[..., 8:12] = mins[..., :4] | ((mins[..., 4:] >> 4) << 6)
         out[..., 12:16] = nibbles(scales[..., 4:] & 15, mins[..., 4:] & 15)
         runs = q.reshape(rows, n_blocks, 4, 64)  # a run of 32 bytes holds 64 values
-        out[..., 16:] = nibbles(runs[..., :32], runs[..., 32:]).reshape(rows, n_blocks, 128)
+        start = 16
+        if ggml == GGML.Q5_K:  # value 64 r + 32 h + i's fifth bit: bit 2 r + h of byte i
+            halves = (runs >> 4).reshape(rows, n_blocks, 8, 32).astype(np.uint8)
+            out[..., 16:48] = sum(halves[..., k, :] << np.uint8(k) for k in range(8)).astype(np.uint8)
+            start = 48
+        out[..., start:] = nibbles(runs[..., :32] & 15, runs[..., 32:] & 15).reshape(rows, n_blocks, 128)
     elif ggml == GGML.Q6_K:
         halves = q.reshape(rows, n_blocks, 2, 128)
         low = nibbles(halves[..., :64] & 15, halves[..., 64:] & 15)
@@ -102,11 +111,11 @@ def exact_weights(ggml: GGML, rows: int, columns: int, rng) -> tuple[np.ndarray,
         m = rng.integers(-3, 4, (rows, n_blocks)).astype(np.float32)
         q = rng.integers(0, 16, (rows, columns))
         return encode(ggml, q, d, m), q * np.repeat(d, 32, axis=1) + np.repeat(m, 32, axis=1)
-    if ggml == GGML.Q4_K:
+    if ggml in (GGML.Q4_K, GGML.Q5_K):
         dmin = rng.integers(0, 3, (rows, n_blocks)).astype(np.float32)
         scales = rng.integers(0, 64, (rows, n_blocks, 8)).astype(np.uint8)  # all six bits
         mins = rng.integers(0, 64, (rows, n_blocks, 8)).astype(np.uint8)
-        q = rng.integers(0, 16, (rows, columns))
+        q = rng.integers(0, 16 if ggml == GGML.Q4_K else 32, (rows, columns))
         scale = np.repeat((d[..., None] * scales).reshape(rows, -1), 32, axis=1)
         offset = np.repeat((dmin[..., None] * mins).reshape(rows, -1), 32, axis=1)
         return encode(ggml, q, d, dmin, (scales, mins)), q * scale - offset
@@ -123,7 +132,7 @@ def real_weights(ggml: GGML, rows: int, columns: int, rng) -> np.ndarray:
         return quantize(rng.normal(0, 0.05, (rows, columns)).astype(np.float32), ggml).reshape(-1)
     per_block, size = BLOCKS[ggml]
     raw = rng.integers(0, 256, (rows, columns // per_block, size), dtype=np.uint8)
-    if ggml == GGML.Q4_K:
+    if ggml in (GGML.Q4_K, GGML.Q5_K):
         raw[..., :4] = half_bytes(rng.uniform(1e-4, 3e-3, raw.shape[:2] + (2,)))
     else:
         raw[..., 208:] = half_bytes(rng.uniform(1e-4, 3e-3, raw.shape[:2] + (1,)))

@@ -82,12 +82,14 @@ MANY = dict(buckets=13, piece_elements=700, staging_slots=2)
 
 
 def lora_base(folder: Path) -> str:
-    """The frozen weights LoRA runs train adapters on: llama_tiny's, seeded."""
+    """The frozen weights LoRA runs train adapters on: llama_tiny's, seeded, in a folder's
+    model.safetensors, which each rank reads where it is stored (its linear maps' rows in place)."""
     llama = project_package("llama_tiny")
 
-    path = folder / "base.safetensors"
-    llama.Model.initialized(seed=3, dtype=np.float64).to_safetensors(path)
-    return str(path)
+    base = folder / "base"
+    base.mkdir(exist_ok=True)
+    llama.Model.initialized(seed=3, dtype=np.float64).to_safetensors(base / "model.safetensors")
+    return str(base)
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,7 @@ from pyml.formats.hf_config import config_mismatches
 from pyml.train.data import encode_documents, load_corpus, next_token_pairs, pack, start_id
 from tests.support.generator_fuzz import generated_package, random_tensors, relative_error
 from tests.support.project_packages import project_package
-from tests.support.real_model_training import our_losses, relative_differences, torch_losses
+from tests.support.real_model_training import lora_losses, our_losses, relative_differences, torch_losses
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -164,3 +164,14 @@ def test_reduced_gemma_rotary_tables_are_the_float64_tables_of_each_layer_type(r
         ours = model.rope[package.model.SELF_ATTN_ROPE_TABLE[layer]]
         assert np.abs(ours[0] - cos[0, :, :8].numpy()).max() < 1e-15, layer
         assert np.abs(ours[1] - sin[0, :, :8].numpy()).max() < 1e-15, layer
+
+
+@pytest.mark.slow
+def test_three_lora_steps_over_the_stored_base_match_peft_in_float32(gemma3_dir):
+    """QLoRA: LoRA over the shipped Q4_K_M GGUF as stored (Q4_K, Q6_K, Q5_0 and Q8_0 rows) against
+    peft + transformers on its dequantized float32 model, three AdamW steps' losses within 2e-5
+    relative. Measured: 8.2e-6, 5.9e-6, 1.2e-5. The first loss, before any update, already differs
+    by 8.2e-6 (the full fine-tune's first step above: the same), so float32's summation orders in
+    Gemma's forward set the floor, not the stored base: 1e-5, which SmolLM2 meets, is at that floor."""
+    ours, theirs = lora_losses(Gemma3ForCausalLM, gemma3_dir, text_batches(gemma3_dir))
+    assert relative_differences(ours, theirs).max() <= 2e-5, list(zip(ours, theirs, strict=True))

@@ -134,7 +134,7 @@ def test_merge_lora_folder_has_the_logits_of_peft_merge_and_unload(tiny_folders,
     float64 merge rounded to float32 (within an ulp: the products' summation order differs), and
     the logits agree to that rounding."""
     checkpoint, init = lora_run.checkpoint, tiny_folders["llama"]
-    merged = merge_lora(init, checkpoint, tmp_path / "merged")
+    merged = merge_lora(init, checkpoint, tmp_path / "merged", weights="f32")
     reference = PeftModel.from_pretrained(llama_in_float64(init, monkeypatch), checkpoint)
     reference = reference.merge_and_unload().eval()
     ours = read_safetensors(merged / "model.safetensors")
@@ -148,6 +148,11 @@ def test_merge_lora_folder_has_the_logits_of_peft_merge_and_unload(tiny_folders,
     np.testing.assert_allclose(logits_of(llama_in_float64(merged, monkeypatch), ids),
                                logits_of(reference, ids), rtol=1e-5, atol=1e-6)
     assert (merged / "spec.toml").read_bytes() == (init / "spec.toml").read_bytes()
+    # as stored: a GGUF in the base's types, F32 here, so the very same values
+    in_gguf = merge_lora(init, checkpoint, tmp_path / "merged-gguf")
+    assert not (in_gguf / "model.safetensors").exists()
+    for name, tensor in StoredFolder(in_gguf).dense_tensors().items():
+        assert np.array_equal(tensor, ours[name]), name
 
 
 def test_resume_is_bit_identical(tiny_folders, lora_run, tmp_path):
@@ -284,8 +289,10 @@ def test_smollm2_three_lora_steps_track_peft(smollm2_folder):
 
 
 def test_generate_with_an_adapter_answers_as_the_merged_folder(tiny_folders, lora_run, tmp_path):
+    """--adapter adds the adapter's updates beside the base's rows (the decode step's low-rank
+    update), the merged folder holds them folded in: the same greedy answer."""
     init, checkpoint = tiny_folders["llama"], lora_run.checkpoint
-    merged = merge_lora(init, checkpoint, tmp_path / "merged")
+    merged = merge_lora(init, checkpoint, tmp_path / "merged", weights="f32")
     options = ("--spec", "specs/llama_tiny.toml", "--chat", "--prompt", "The capital of France",
                "--max-new-tokens", "12")
     with_adapter = pyml("generate", "--model", str(init), "--adapter", str(checkpoint), *options)

@@ -1,7 +1,8 @@
 """The CPU kernels of the op kinds whose kernels are the same for every spec: one module per kind
 (`pyml/codegen/kinds/` has the kind's other half), the dims read from the arrays and the spec's
 constants (eps, a scale, a gain's offset) passed as arguments. Attention and LoRA's frozen linear
-map are rendered per spec instead (`pyml.codegen.kinds`: `template`).
+map are rendered per spec instead (`pyml.codegen.kinds`: `template`); the frozen map's products,
+on a float or a stored weight, are frozen_linear's.
 
 This module's names are what every generated kernels_cpu.py re-exports (`from pyml.package.cpu
 import *`), so a generated model calls each kernel as `k.name`: the kinds' kernels, the kernels
@@ -32,6 +33,7 @@ from pyml.package.cpu.embedding import (
     embedding_forward_kernel,
     embedding_forward_unscaled,
 )
+from pyml.package.cpu.frozen_linear import frozen_input_gradient, frozen_product
 from pyml.package.cpu.glu import geglu_backward, geglu_forward, swiglu_backward, swiglu_forward
 from pyml.package.cpu.head_rmsnorm import head_rmsnorm_backward, head_rmsnorm_forward
 from pyml.package.cpu.layernorm import (
@@ -66,6 +68,8 @@ from pyml.package.vector_math import (
 )
 
 __all__ = [
+    "frozen_input_gradient",
+    "frozen_product",
     "layernorm_backward",
     "layernorm_backward_add",
     "layernorm_forward",
