@@ -146,9 +146,10 @@ def export_gguf(model_dir: Path, out: Path, type_name: str = "f32", progress: bo
     if matrix_type is None:
         kinds = [kind for _, hf_name, shape, kind in plan if hf_name is not None and len(shape) == 2]
         file_type = FILE_TYPES[max(set(kinds), key=kinds.count)]
-    # a GGUF's tensor written in the type it has keeps its bytes, unless its values are replaced
+    # as stored, a GGUF's tensor keeps its bytes, unless its values are replaced (an asked type is
+    # encoded from the Hugging Face values, as llama.cpp's converter encodes them)
     raw = ({name for name, tensor in tensors.items() if name not in (replaced or {})}
-           if stored.source == SOURCE_GGUF else set())
+           if stored.source == SOURCE_GGUF and matrix_type is None else set())
     for name, values in (replaced or {}).items():
         tensors[name] = ComputedTensor(tensors[name].ggml_type, values)
 

@@ -335,7 +335,7 @@ def test_a_tokenizer_gguf_cannot_hold_is_refused(tiny_folders, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--type", "q3_k_m"], r"^error: --type 'q3_k_m' is not one pyml writes \(only f32, f16, q8_0, q4_0, q4_1, "
-                           r"q4_k_m, q5_k_m, q6_k\)$"),
+                           r"q4_k_m, q5_k_m, q6_k, as-stored\)$"),
     ([], r"^error: .*config\.json: missing; export a folder written by `pyml import-gguf`"),
 ])  # fmt: skip
 def test_cli_refuses_bad_input_in_one_line(tiny_folders, tmp_path, args, message):
