@@ -2,10 +2,11 @@
 float matrix or as rows read where the base folder stores them (`StoredRows`: QLoRA).
 
 On stored rows, several rows of x at a time (training, a prompt's prefill): W is dequantized one
-tile of rows at a time into a small scratch (`TILE_VALUES` values, a few MiB: it stays in cache)
-and each tile is multiplied by BLAS, so the whole matrix never exists in float and the products
-run at BLAS's speed; dequantizing costs one pass over the stored bytes per product, a few percent
-of the products' time at B x T = 512. The tile's values are pyml.formats.quant.dequantize's (in
+tile of rows at a time into a scratch (`TILE_VALUES` values) and each tile is multiplied by BLAS,
+so the whole matrix never exists in float. Dequantizing is cheap (4-5 G values/s here); what
+costs is BLAS on narrow tiles, which packs x again for each: tiles of 2 MiB made a 1.5B model's
+products 10-60% slower than one product of the whole matrix, tiles of 32 MiB 2-11% (2026-12-06,
+a 1536 x 8960 and a 17920 x 1536 Q8_0 matrix, 512 rows of x). The tile's values are pyml.formats.quant.dequantize's (in
 float32, converted to the model's dtype), so the map is exactly the linear map of the
 dequantized matrix (the data the Lean laws' instances name). A few rows (decoding a token) take
 the decode step's row products instead (`linear_stored`), which read each stored row once.
@@ -18,7 +19,7 @@ from pyml.package.decode_cpu import dequantize_stored_rows, linear_stored
 from pyml.package.kernels_cpu import FEW_ROWS, linear_product
 from pyml.package.stored_rows import StoredRows
 
-TILE_VALUES = 1 << 19  # 2 MiB of float32 per tile of dequantized rows
+TILE_VALUES = 1 << 23  # 32 MiB of float32 per tile of dequantized rows
 SCRATCH = {}  # the tiles and partial products, one per (use, shape, dtype), made on first use
 
 
