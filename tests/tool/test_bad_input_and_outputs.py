@@ -143,13 +143,14 @@ def test_import_replaces_a_model_folder_whole(user, tmp_path):
 
 
 def test_merge_into_an_imported_folder_leaves_no_source_gguf(user, tmp_path):
-    """The old source.gguf would make `pyml generate` decode on the weights before the merge."""
+    """The old source.gguf (a link to the imported GGUF) would make `pyml generate` decode on the
+    weights before the merge: the merged folder holds its own GGUF instead, as a fresh merge's."""
     folder = tmp_path / "model"
     assert pyml("import-gguf", user.llama_gguf, "--out", folder, cwd=tmp_path).returncode == 0
-    assert (folder / "source.gguf").is_file()
+    assert (folder / "source.gguf").is_symlink()
     merged = pyml("merge-lora", user.llama, user.adapter, "--out", folder, cwd=tmp_path)
     assert merged.returncode == 0, merged.stderr
-    assert not (folder / "source.gguf").exists()
+    assert (folder / "source.gguf").is_file() and not (folder / "source.gguf").is_symlink()
     reference = tmp_path / "reference"
     assert pyml("merge-lora", user.llama, user.adapter, "--out", reference, cwd=tmp_path).returncode == 0
     assert snapshot(folder) == snapshot(reference)
