@@ -419,18 +419,23 @@ def serve(
     prefill_chunk: Annotated[int, typer.Option(help="Prompt tokens prefilled per decoding step, between the other requests' tokens.")] = 32,
     weights: Annotated[str, typer.Option(help="As `pyml generate --weights`.")] = "as-stored",
     activations: Annotated[str, typer.Option(help="As `pyml generate --activations`.")] = "f32",
+    prefix_cache: Annotated[bool, typer.Option(help="Prefill a prompt from where a free row's cached tokens stop matching it (answers unchanged).")] = True,
+    api_key: Annotated[str | None, typer.Option(help="The key every request but GET /health must send (Authorization: Bearer KEY); default: PYML_API_KEY, if set.")] = None,
+    max_tokens: Annotated[int | None, typer.Option(help="The most tokens a request may ask for; default: the context's room.")] = None,
+    max_body: Annotated[int, typer.Option(help="The largest request body, in bytes; larger ones get HTTP 413.")] = 8 * 2**20,
+    access_log: Annotated[bool, typer.Option(help="A line on stderr for every HTTP request, not only for completions.")] = False,
 ) -> None:
     """Serve the model with the OpenAI API: POST /v1/chat/completions and /v1/completions
-    (streaming or not), GET /v1/models and /health; up to --max-sequences requests decoded
-    together (continuous batching)."""
+    (streaming or not), GET /v1/models; POST /tokenize, /detokenize, GET /tokenizer_info,
+    /metrics and /health; up to --max-sequences requests decoded together (continuous batching)."""
     try:
         from pyml.generate.server import serve as run_server
     except ModuleNotFoundError as error:
         raise PymlError(f"pyml serve needs {error.name}: install the pyml-spec wheel with its "
                         "[serve] extra (pip install \"WHEEL[serve]\"), or pip install fastapi "
-                        "uvicorn") from None
+                        "uvicorn prometheus-client llguidance") from None
     run_server(model, host, port, max_queue, adapter, weights, activations, max_sequences, context,
-               prefill_chunk)
+               prefill_chunk, prefix_cache, api_key, max_body, max_tokens, access_log)
 
 
 @app.command("eval")

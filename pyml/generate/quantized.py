@@ -105,47 +105,94 @@ class DecodingBatch:
     the same weights and in the same step as they are. Every entry is computed as it would be
     alone (the linear maps give each its own sums in a fixed order, attention reads its own row),
     so a sequence's logits do not depend on the load: not on the rows beside it, their order, or
-    how its prompt was split into chunks."""
+    how its prompt was split into chunks.
 
-    def __init__(self, decoder: QuantizedDecoder, capacity: int, max_len: int, chunk: int = PREFILL_CHUNK):
+    The prefix cache follows from that: a free row keeps the keys and values of the tokens it
+    last held, and `add` gives a prompt the free row whose tokens begin it the furthest, whose
+    positions it then does not prefill again. They are the bits a prefill would write (the same
+    tokens at the same positions, each entry computed as alone), so the answer is the uncached
+    one. It costs no memory beyond the batch's rows; among the rows without a usable prefix the
+    least recently freed is taken (`prefix_cache=False`: the least recently freed, always)."""
+
+    def __init__(self, decoder: QuantizedDecoder, capacity: int, max_len: int, chunk: int = PREFILL_CHUNK,
+                 prefix_cache: bool = True):
         model = decoder.model
         if max_len > model.MAX_SEQ_LEN:
             raise PymlError(f"{max_len} positions exceed the spec's max_seq_len {model.MAX_SEQ_LEN}")
         self.decoder, self.capacity, self.max_len, self.chunk = decoder, capacity, max_len, chunk
+        self.prefix_cache = prefix_cache
         self.keys, self.values = [], []
+        # how far a row's cached positions may run past a prefix it lends: a sliding layer's ring
+        # keeps window + chunk - 1 positions, so the positions after the prefix overwrite the
+        # oldest of those its next tokens read once they run further than the ring's spare room
+        self.ring_room = max_len
         for attention in model.ATTENTIONS:
             # a sliding layer's ring: its window, and room for the positions a step adds (decode_rows)
             slots = max(min(window + chunk - 1, max_len) if window else max_len for window in attention["windows"])
+            if slots < max_len:
+                self.ring_room = min(self.ring_room, slots - max(attention["windows"]))
             shape = (len(attention["windows"]), capacity, attention["n_kv_heads"], slots, attention["head_dim"])
             self.keys.append(np.zeros(shape, model.device.dtype))
             self.values.append(np.zeros(shape, model.device.dtype))
         self.lengths = np.zeros(capacity, np.int64)
         self.prompts: dict[int, list[int]] = {}  # by row: the prompt's tokens not yet in the caches
-        self.free = list(range(capacity - 1, -1, -1))
+        self.scored: set[int] = set()  # rows whose every prompt position's logits are wanted
+        self.held: list[list[int]] = [[] for _ in range(capacity)]  # by row: the tokens its caches hold
+        self.free = list(range(capacity))  # the least recently freed first
         self.steps: dict[int, tuple] = {}  # entries -> (one-position buffers, step arguments)
 
-    def add(self, prompt_ids) -> int:
-        """Give `prompt_ids` (a list of ids) a free row, to be prefilled by the next steps: the row."""
+    def add(self, prompt_ids, score_prompt: bool = False) -> int:
+        """Give `prompt_ids` (a list of ids) a free row, to be prefilled by the next steps: the row.
+        Its `lengths` entry says how many of the prompt's first positions the row's cache already
+        holds (the prefix cache). With `score_prompt` every position's logits are computed, and
+        `step` hands them out: nothing is taken from the cache then."""
         if not self.free:
             raise PymlError(f"all {self.capacity} sequences of the batch are in use")
         if not 0 < len(prompt_ids) <= self.max_len:
             raise PymlError(f"the prompt has {len(prompt_ids)} tokens: a sequence takes 1 to "
                             f"{self.max_len}")
-        row = self.free.pop()
-        self.prompts[row] = list(prompt_ids)
+        prompt = list(prompt_ids)
+        reused, row = 0, self.free[0]
+        if self.prefix_cache and not score_prompt:
+            for candidate in self.free:
+                # the prompt's last position is always computed: its logits are drawn from
+                usable = self.cached_prefix(candidate, prompt)
+                if usable > reused:
+                    reused, row = usable, candidate
+        self.free.remove(row)
+        self.held[row] = self.held[row][:reused]
+        self.lengths[row] = reused
+        self.prompts[row] = prompt
+        if score_prompt:
+            self.scored.add(row)
         return row
 
-    def step(self, next_ids: dict[int, int]) -> dict[int, np.ndarray]:
+    def cached_prefix(self, row: int, prompt: list[int]) -> int:
+        """How many of `prompt`'s first positions the free `row`'s cache holds as a prefill of
+        them would write them, short of the prompt's last."""
+        held = self.held[row]
+        common = 0
+        for held_token, token in zip(held, prompt[:-1]):
+            if held_token != token:
+                break
+            common += 1
+        return common if len(held) - common <= self.ring_room else 0
+
+    def step(self, next_ids: dict[int, int], prompt_logits: dict | None = None) -> dict[int, np.ndarray]:
         """Append token next_ids[row] to the sequence in each given row, and the next chunk of the
         prompts waiting: the logits (VOCAB,) of each row that has a next token to draw, the given
-        rows and those whose prompt's last token was in this step."""
-        # (row, token, position): first those whose logits are drawn from (the step computes the
-        # logits of its first entries only; the entries' order changes nothing else), then the
-        # rest of the prompts' chunks
+        rows and those whose prompt's last token was in this step. For the rows added with
+        `score_prompt`, `prompt_logits[row]` receives (positions, logits (k, VOCAB)) of the prompt
+        positions this step prefilled, the last one's excepted (it is drawn from)."""
+        # (row, token, position): first those whose logits are computed (the step computes the
+        # logits of its first entries only; the entries' order changes nothing else): the drawn,
+        # then the scored prompts' chunks; then the rest of the prompts' chunks
+        if self.scored and prompt_logits is None:
+            raise PymlError("a scored prompt's logits need a prompt_logits dict to go to")
         drawn = [(row, token, int(self.lengths[row])) for row, token in next_ids.items()]
         if any(position >= self.max_len for _, _, position in drawn):
             raise PymlError(f"the decoding cache is full ({self.max_len} positions)")
-        prefilled, budget = [], self.chunk
+        scored, prefilled, budget = [], [], self.chunk
         for row in list(self.prompts):
             if budget == 0:
                 break
@@ -155,37 +202,39 @@ class DecodingBatch:
             if taken[-1][2] + 1 == len(prompt):  # the prompt's last position: its logits are drawn from
                 del self.prompts[row]
                 drawn.append(taken.pop())
-            prefilled += taken
-        entries = drawn + prefilled
+            (scored if row in self.scored else prefilled).extend(taken)
+            if row not in self.prompts:
+                self.scored.discard(row)
+        entries = drawn + scored + prefilled
         if not entries:
             return {}
         rows, ids, positions = (np.array(column, np.int64) for column in zip(*entries))
         buffers, arguments = self.step_for(len(entries))
         self.decoder.model.load_batch(ids[:, None], buffers.ids, "next_ids")
-        self.decoder.step.decode_step(positions, rows, len(drawn), *arguments)
+        self.decoder.step.decode_step(positions, rows, len(drawn) + len(scored), *arguments)
         np.maximum.at(self.lengths, rows, positions + 1)
+        for row, token, position in sorted(entries, key=lambda entry: entry[2]):
+            self.held[row][position:] = [token]
+        for entry, (row, _, position) in enumerate(scored, start=len(drawn)):
+            positions_of_row, logits_of_row = prompt_logits.setdefault(row, ([], []))
+            positions_of_row.append(position)
+            logits_of_row.append(buffers.logits[entry].copy())
         return {row: buffers.logits[entry].copy() for entry, (row, _, _) in enumerate(drawn)}
 
     def score(self, tokens: list[int]) -> np.ndarray:
         """The logits (len(tokens), VOCAB) of every position of `tokens`, a sequence of its own in a
-        free row, `chunk` positions per step (the row is free again after): what scoring a text
-        needs (`pyml eval`), where `step` computes a prompt's last logits only. Each position's
-        logits are the bits `step` gives it."""
-        if not self.free:
-            raise PymlError(f"all {self.capacity} sequences of the batch are in use")
-        if not 0 < len(tokens) <= self.max_len:
-            raise PymlError(f"the text has {len(tokens)} tokens: a sequence takes 1 to {self.max_len}")
-        row = self.free.pop()
+        free row (free again after), prefilled as `step` prefills a scored prompt: what scoring a
+        text needs (`pyml eval`). Each position's logits are the bits `step` gives it."""
+        row = self.add(tokens, score_prompt=True)
         try:
+            scored: dict = {}
+            last = {}
+            while row not in last:
+                last = self.step({}, scored)
             logits = np.empty((len(tokens), self.decoder.model.VOCAB), self.decoder.model.device.dtype)
-            for start in range(0, len(tokens), self.chunk):
-                part = np.asarray(tokens[start:start + self.chunk], np.int64)
-                buffers, arguments = self.step_for(len(part))
-                self.decoder.model.load_batch(part[:, None], buffers.ids, "input_ids")
-                self.decoder.step.decode_step(np.arange(start, start + len(part)), np.full(len(part), row),
-                                              len(part), *arguments)
-                logits[start:start + len(part)] = buffers.logits[:len(part)]
-                self.lengths[row] = start + len(part)
+            if row in scored:
+                logits[scored[row][0]] = scored[row][1]
+            logits[-1] = last[row]
             return logits
         finally:
             self.release(row)
@@ -204,8 +253,10 @@ class DecodingBatch:
         return self.steps[entries]
 
     def release(self, row: int) -> None:
+        """Free `row`; its caches keep the tokens they hold, a prefix for the prompts to come."""
         self.lengths[row] = 0
         self.prompts.pop(row, None)
+        self.scored.discard(row)
         self.free.append(row)
 
 

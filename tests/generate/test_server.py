@@ -14,12 +14,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx2 as httpx  # the HTTP client the openai package itself depends on
+import numpy as np
 import openai
 import pytest
+import torch
 
 from pyml.formats.chat_template import ChatTemplate
 from pyml.generate import decoding
+from pyml.generate.logprobs import TokenTexts
 from tests.support import anchors
+from tests.support.hf_reference import llama_in_float64
 from tests.support.server_process import started
 
 QUESTION = [{"role": "user", "content": "the cat sat on the"}]
@@ -28,7 +32,7 @@ QUESTION = [{"role": "user", "content": "the cat sat on the"}]
 @pytest.fixture(scope="module")
 def server_process(tiny_folders):
     """(the process, its base URL) while `pyml serve` runs on the tiny Llama folder."""
-    process, url = started(tiny_folders["llama"])
+    process, url = started(tiny_folders["llama"], "--access-log")
     yield process, url
     process.terminate()
     assert process.wait(timeout=30) == 0  # SIGTERM with nothing in flight: exits cleanly
@@ -59,17 +63,22 @@ def chat_ids(folder: Path) -> list[int]:
 
 
 def test_the_server_says_where_it_listens_and_writes_a_line_per_request(server_process, client):
+    """With --access-log, a line per HTTP request; and always a line per completion request."""
     process, url = server_process
     client.models.list()
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny", prompt="x", max_tokens=0)
+    reply = client.completions.create(model="tiny", prompt="the cat", max_tokens=2, temperature=0)
     deadline = time.monotonic() + 10
-    while sum(" /v1/" in line for line in process.output) < 2 and time.monotonic() < deadline:
+    while sum(reply.id in line for line in process.output) < 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     output = "".join(process.output)
     assert f"pyml serve: {url}/v1 ready (model tiny-llama, weights " in output, output
     assert re.search(r"^pyml serve: GET /v1/models 200 \d+\.\d{3} s$", output, re.M), output
     assert re.search(r"^pyml serve: POST /v1/completions 400 \d+\.\d{3} s$", output, re.M), output
+    prompt_tokens = reply.usage.prompt_tokens
+    assert re.search(rf"^pyml serve: {reply.id} 200: 1 choice, prompt {prompt_tokens} tokens \(\d+ "
+                     rf"cached\), answer 2 tokens, \d+\.\d{{3}} s$", output, re.M), output
 
 
 def test_a_greedy_chat_answer_is_pyml_generates_streamed_or_whole(server, client):
@@ -297,8 +306,14 @@ def test_models_and_health(server, client):
     ({"messages": QUESTION, "top_k": -1}, "top_k"),
     ({"messages": QUESTION, "presence_penalty": 3}, "presence_penalty"),
     ({"messages": QUESTION, "repetition_penalty": float("inf")}, "repetition_penalty"),
-    ({"messages": QUESTION, "logprobs": True}, "logprobs"),
-    ({"messages": QUESTION, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": QUESTION, "top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
+    ({"messages": QUESTION, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": QUESTION, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
+     "response_format"),
+    ({"messages": QUESTION, "response_format": {"type": "xml"}}, "response_format"),
+    ({"messages": QUESTION, "grammar": "root ::= missing"}, "grammar"),
+    ({"messages": QUESTION, "n": 17}, "n"),  # more choices than the queue holds
+    ({"messages": QUESTION, "best_of": 2}, "best_of"),
     ({"messages": QUESTION, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"messages": QUESTION, "stop": ""}, "stop"),
     ({"messages": [{"role": "user", "content": "the cat " * 40}]}, "messages"),  # past the context
@@ -313,10 +328,8 @@ def test_bad_requests_get_400_naming_the_field(server, body, param):
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
 
 
-def test_echo_is_refused_and_a_text_response_format_is_the_default(server):
+def test_a_text_response_format_is_the_default(server):
     _, url = server
-    echoed = httpx.post(f"{url}/v1/completions", json={"prompt": "1, 2,", "echo": True, "max_tokens": 2})
-    assert echoed.status_code == 400 and echoed.json()["error"]["param"] == "echo"
     body = {"messages": QUESTION, "max_tokens": 4, "temperature": 0}
     plain = httpx.post(f"{url}/v1/chat/completions", json=body)
     text = httpx.post(f"{url}/v1/chat/completions", json=body | {"response_format": {"type": "text"}})
@@ -412,3 +425,184 @@ def test_options_the_server_cannot_run_are_refused_in_one_line(tiny_folders, opt
 
     with pytest.raises(PymlError, match=message):
         serve(tiny_folders["llama"], "127.0.0.1", 0, **{"max_queue": 16, **options})
+
+
+# --- completions as the API defines them: token prompts, echo, logprobs, n; the tokenizer endpoints
+
+
+def token_ids_of_texts(tokenizer) -> dict[str, int]:
+    """Each token's text (its own decoding) to its id, for the log-probability tables keyed by text."""
+    texts = TokenTexts(tokenizer)
+    return {texts.text(token): token for token in range(tokenizer.get_vocab_size())}
+
+
+def test_an_echoed_prompts_logprobs_equal_transformers_in_float64(server, client, monkeypatch):
+    """lm-evaluation-harness's loglikelihood request (token ids, echo, logprobs 1, max_tokens 1),
+    with 3 top tokens: every prompt token's log-probability (the first's null) and the top tokens'
+    equal transformers' float64 log-softmax within float32's error; the answer is the greedy
+    token; the text is the prompt's and the answer's, each token at its offset."""
+    folder, _ = server
+    tokenizer = decoding.load_tokenizer(folder)
+    ids = tokenizer.encode("the cat sat on the mat, then the dog sat on the cat").ids
+    reply = client.completions.create(model="tiny", prompt=ids, echo=True, logprobs=3, max_tokens=1,
+                                      temperature=0)
+    logprobs = reply.choices[0].logprobs
+    reference = llama_in_float64(folder, monkeypatch)
+    with torch.no_grad():
+        expected = torch.log_softmax(reference(torch.tensor([ids])).logits[0], -1).numpy()
+    assert len(logprobs.tokens) == len(ids) + 1 and reply.usage.completion_tokens == 1
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    np.testing.assert_allclose(logprobs.token_logprobs[1:len(ids)],
+                               expected[np.arange(len(ids) - 1), ids[1:]], rtol=0, atol=1e-4)
+    np.testing.assert_allclose(logprobs.token_logprobs[-1], expected[-1].max(), rtol=0, atol=1e-4)
+    id_of = token_ids_of_texts(tokenizer)
+    for position in range(1, len(ids) + 1):
+        top = logprobs.top_logprobs[position]
+        assert 3 <= len(top) <= 4  # the 3 most probable, and the token itself if it is not among them
+        for text, value in top.items():
+            np.testing.assert_allclose(value, expected[position - 1, id_of[text]], rtol=0, atol=1e-4)
+        assert max(top.values()) == pytest.approx(expected[position - 1].max(), abs=1e-4)
+    texts = TokenTexts(tokenizer)
+    assert logprobs.tokens[:len(ids)] == [texts.text(token) for token in ids]
+    assert reply.choices[0].text == tokenizer.decode(ids) + logprobs.tokens[-1]
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:n])) for n in range(len(ids) + 1)]
+
+
+def test_logprobs_are_the_same_bits_alone_and_under_load(server, client):
+    """An echoed prompt's log-probabilities, and a sampled answer's, alone and while 8 chats run
+    beside them (their prompts prefilled in the same steps): identical, to the last bit."""
+    folder, _ = server
+    ids = decoding.load_tokenizer(folder).encode("a dog and a cat sat on a mat in the sun").ids
+
+    def score():
+        return client.completions.create(model="tiny", prompt=ids, echo=True, logprobs=2, max_tokens=3,
+                                         temperature=0.8, seed=4).model_dump()["choices"]
+
+    def chat(n: int) -> str:
+        messages = [{"role": "user", "content": "the cat " * (n + 1)}]
+        return client.chat.completions.create(model="tiny", messages=messages, max_tokens=10,
+                                              temperature=0).choices[0].message.content
+
+    alone = score()
+    with ThreadPoolExecutor(9) as pool:
+        others = [pool.submit(chat, n) for n in range(8)]
+        loaded = pool.submit(score)
+        assert loaded.result() == alone
+        [other.result() for other in others]
+
+
+def test_several_prompts_and_n_choices_are_each_the_answer_alone(server, client):
+    """A list of prompts (text, or token ids) gets one choice per prompt times n, in order; choice j
+    of a prompt is the answer to that prompt alone with seed + j."""
+    folder, _ = server
+    tokenizer = decoding.load_tokenizer(folder)
+    texts = ["the cat sat", "on the mat the"]
+
+    def alone(prompt, seed) -> str:
+        return client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=1.2,
+                                         seed=seed).choices[0].text
+
+    for prompts in (texts, [tokenizer.encode(text).ids for text in texts]):
+        reply = client.completions.create(model="tiny", prompt=prompts, n=3, max_tokens=6,
+                                          temperature=1.2, seed=10)
+        assert [choice.index for choice in reply.choices] == list(range(6))
+        expected = [alone(prompt, 10 + j) for prompt in prompts for j in range(3)]
+        assert [choice.text for choice in reply.choices] == expected
+        assert len(set(expected[:3])) > 1  # the seeds differ
+        assert reply.usage.prompt_tokens == 3 * sum(len(tokenizer.encode(text).ids) for text in texts)
+    assert alone(texts[1], 10) == alone(tokenizer.encode(texts[1]).ids, 10)
+
+
+def test_a_chat_answers_logprobs_are_its_tokens_scored(server, client):
+    """Chat's logprobs (OpenAI's content list, 2 top tokens): the answer's tokens, in order, whose
+    log-probabilities are what echo scoring gives the same tokens after the same prompt, bit for
+    bit, whole or streamed."""
+    folder, _ = server
+    sampler = decoding.Sampler(temperature=0.9)
+    expected = generated(folder, chat_ids(folder), 8, sampler, seed=3)
+    options = dict(model="tiny", messages=QUESTION, max_tokens=8, temperature=0.9, seed=3,
+                   logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**options)
+    content = whole.choices[0].logprobs.content
+    texts = TokenTexts(decoding.load_tokenizer(folder))
+    answer = [token for token in expected.new_ids if token not in decoding.eos_ids(folder)]
+    assert [entry.token for entry in content] == [texts.text(token) for token in answer]
+    assert [entry.bytes for entry in content] == [texts.bytes(token) for token in answer]
+    scored = client.completions.create(model="tiny", prompt=chat_ids(folder) + answer, echo=True,
+                                       logprobs=2, max_tokens=0).choices[0].logprobs
+    start = len(chat_ids(folder))
+    assert [entry.logprob for entry in content] == scored.token_logprobs[start:]
+    for entry, top in zip(content, scored.top_logprobs[start:]):
+        assert len(entry.top_logprobs) == 2
+        assert all(top[pair.token] == pair.logprob for pair in entry.top_logprobs)
+    streamed = [chunk.choices[0].logprobs.content for chunk in client.chat.completions.create(
+        **options, stream=True) if chunk.choices and chunk.choices[0].logprobs]
+    assert [entry for part in streamed for entry in part] == content
+
+
+def test_a_streamed_echo_with_logprobs_is_the_whole_one_in_parts(server, client):
+    folder, _ = server
+    options = dict(model="tiny", prompt="the cat sat on", echo=True, logprobs=1, max_tokens=5,
+                   temperature=0)
+    whole = client.completions.create(**options).choices[0]
+    chunks = [chunk.choices[0] for chunk in client.completions.create(**options, stream=True)]
+    assert "".join(chunk.text for chunk in chunks) == whole.text
+    assert whole.text.startswith("the cat sat on")
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [value for chunk in chunks if chunk.logprobs for value in getattr(chunk.logprobs, key)] \
+            == getattr(whole.logprobs, key), key
+
+
+def test_the_tokenizer_endpoints_answer_as_vllms(server):
+    folder, url = server
+    tokenizer = decoding.load_tokenizer(folder)
+    text = "the cat sat on the mat"
+    tokens = httpx.post(f"{url}/tokenize", json={"prompt": text}).json()
+    assert tokens["tokens"] == tokenizer.encode(text).ids and tokens["count"] == len(tokens["tokens"])
+    assert tokens["max_model_len"] == 64 and tokens["token_strs"] is None
+    chat = httpx.post(f"{url}/tokenize", json={"messages": QUESTION, "return_token_strs": True}).json()
+    assert chat["tokens"] == chat_ids(folder)
+    assert chat["token_strs"] == [tokenizer.id_to_token(token) for token in chat_ids(folder)]
+    assert httpx.post(f"{url}/detokenize", json={"tokens": tokens["tokens"]}).json() == {"prompt": text}
+    info = httpx.get(f"{url}/tokenizer_info").json()
+    assert info["chat_template"] == ChatTemplate.of_folder(folder).source
+    assert info["eos_token"] == "<|im_end|>" and info["model_max_length"] == 64
+    for path, body in (("/detokenize", {"tokens": [10**6]}), ("/tokenize", {}),
+                       ("/tokenize", {"prompt": "x", "messages": QUESTION})):
+        refused = httpx.post(f"{url}{path}", json=body)
+        assert refused.status_code == 400 and refused.json()["error"]["message"], (path, body)
+
+
+def test_a_chats_next_turn_takes_its_earlier_turns_from_the_prefix_cache(server, client):
+    """The second turn of a chat begins with the first turn's prompt and answer: those positions
+    come from the cache (usage.prompt_tokens_details.cached_tokens), and the answer is `pyml
+    generate`'s on the whole prompt."""
+    folder, _ = server
+    first = client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=5, temperature=0)
+    turns = QUESTION + [{"role": "assistant", "content": first.choices[0].message.content},
+                        {"role": "user", "content": "and the dog"}]
+    second = client.chat.completions.create(model="tiny", messages=turns, max_tokens=5, temperature=0)
+    template, tokenizer = ChatTemplate.of_folder(folder), decoding.load_tokenizer(folder)
+    ids = tokenizer.encode(template.render(turns, add_generation_prompt=True), add_special_tokens=False).ids
+    assert second.choices[0].message.content == generated(folder, ids, 5).text
+    assert first.usage.prompt_tokens <= second.usage.prompt_tokens_details.cached_tokens < len(ids)
+
+
+def test_metrics_count_requests_tokens_and_latencies(server, client):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, url = server
+    client.chat.completions.create(model="tiny", messages=QUESTION, max_tokens=4, temperature=0)
+    httpx.post(f"{url}/v1/chat/completions", json={"messages": []})
+    response = httpx.get(f"{url}/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    samples = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+               for family in text_string_to_metric_families(response.text) for sample in family.samples}
+    chat_path = "/v1/chat/completions"
+    assert samples[("pyml_requests_total", (("path", chat_path), ("status", "200")))] >= 1
+    assert samples[("pyml_requests_total", (("path", chat_path), ("status", "400")))] >= 1
+    assert samples[("pyml_generation_tokens_total", ())] >= 4
+    assert samples[("pyml_prompt_tokens_total", ())] >= len(chat_ids(server[0]))
+    assert samples[("pyml_time_to_first_token_seconds_count", ())] >= 1
+    assert samples[("pyml_time_per_output_token_seconds_count", ())] >= 3
+    assert ("pyml_queue_length", ()) in samples and ("pyml_active_sequences", ()) in samples
