@@ -1,8 +1,9 @@
 """What running `pyml serve` for others needs, as ASGI middleware and Prometheus metrics: an API
 key, a limit on request bodies, the metrics, and an access log.
 
-- `ApiKey`: with a key set (`--api-key` or PYML_API_KEY), every request but GET /health needs the
-  header `Authorization: Bearer KEY`; otherwise 401 in OpenAI's error shape. The key is compared
+- `ApiKey`: with a key set (`--api-key` or PYML_API_KEY), every request but GET /health and the
+  chat page (which asks for the key) needs the header `Authorization: Bearer KEY`; otherwise 401
+  in OpenAI's error shape. The key is compared
   in constant time (hmac.compare_digest), so its prefix cannot be found from response times.
 - `BodyLimit`: a body larger than the limit gets 413 before the server parses it (read up to the
   limit and no further, whether or not the client sent a Content-Length).
@@ -21,7 +22,8 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-OPEN_PATHS = ("/health",)  # what a load balancer probes: no key needed
+# no key needed: what a load balancer probes, and the chat page (static; it asks for the key)
+OPEN_PATHS = ("/health", "/")
 # time to first token and per-token latency buckets (seconds): a CPU server's first token takes
 # from tens of milliseconds (a short prompt) to minutes (a long prompt on an 8B model)
 FIRST_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)

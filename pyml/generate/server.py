@@ -48,7 +48,6 @@ import uuid
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -70,12 +69,17 @@ from pyml.generate.logprobs import (
 )
 from pyml.generate.operations import ApiKey, BodyLimit, CountRequests, Metrics
 from pyml.generate.quantized import PREFILL_CHUNK, DecodingBatch, QuantizedDecoder
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant"]
-    content: str
+from pyml.generate.tools import (
+    ChatMessage,
+    Tool,
+    ToolCallStream,
+    ToolFields,
+    ToolSyntax,
+    parse_tool_calls,
+    template_tools,
+    tool_call_grammar,
+    tool_syntax,
+)
 
 
 class StreamOptions(BaseModel):
@@ -106,8 +110,8 @@ class Sampling(BaseModel):
     grammar: str | None = None  # not OpenAI's: llama.cpp's server takes a GBNF grammar here
 
 
-class ChatRequest(Sampling):
-    messages: list[Message] = Field(min_length=1)
+class ChatRequest(Sampling, ToolFields):
+    messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
@@ -125,7 +129,8 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     prompt: str | None = None
-    messages: list[Message] | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     return_token_strs: bool = False
@@ -144,7 +149,7 @@ DEFAULT_CONTEXT = 2048
 DEFAULT_MAX_BODY = 8 * 2**20  # bytes: a prompt of a model's whole context is far less
 # request fields pyml does not implement yet: refused (400) rather than ignored, since a client that
 # sends one relies on it (a JSON answer, the prompt echoed with its log-probabilities)
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logit_bias", "suffix")
+UNSUPPORTED = ("functions", "function_call", "logit_bias", "suffix")
 
 
 @dataclass
@@ -411,9 +416,11 @@ class Completion:
     they have sent."""
 
     def __init__(self, engine: Engine, body: Sampling, prompts: list[Prompt], chat: bool,
-                 logprobs: int | None, echo: bool, server_max_tokens: int | None, grammar: str | None):
+                 logprobs: int | None, echo: bool, server_max_tokens: int | None, grammar: str | None,
+                 tool_calls: ToolSyntax | None = None):
         self.engine, self.chat, self.prompts, self.echo = engine, chat, prompts, echo
         self.logprobs = logprobs
+        self.tool_calls = tool_calls  # the syntax the answers' tool calls are read in, if any
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.started = time.perf_counter()
@@ -508,8 +515,14 @@ class Completion:
             text = "".join(choice.text)
             logprobs = self.logprobs_of(index, choice.prompt, choice.tokens, 0)
             if self.chat:
-                choices.append({"index": index, "message": {"role": "assistant", "content": text},
-                                "finish_reason": choice.finish, "logprobs": logprobs})
+                message, finish = {"role": "assistant", "content": text}, choice.finish
+                if self.tool_calls is not None:
+                    message["content"], calls = parse_tool_calls(self.tool_calls, text)
+                    if calls:
+                        message["tool_calls"] = calls
+                        finish = "tool_calls" if finish == "stop" else finish
+                choices.append({"index": index, "message": message, "finish_reason": finish,
+                                "logprobs": logprobs})
             else:
                 echoed = self.prompt_of(index).text if self.echo else ""
                 choices.append({"index": index, "text": echoed + text, "finish_reason": choice.finish,
@@ -535,6 +548,8 @@ class Completion:
 
     async def stream(self, include_usage: bool):
         sent_chars = [0] * len(self.jobs)  # characters of each choice's text sent, an echo's included
+        # each choice's tool calls, read from its text as it comes
+        calls = [None if self.tool_calls is None else ToolCallStream.of(self.tool_calls) for _ in self.jobs]
         try:
             for index in range(len(self.jobs)):
                 if self.chat:
@@ -552,13 +567,23 @@ class Completion:
                 elif kind == "text":
                     if event[2] or event[3]:
                         logprobs = self.logprobs_of(index, [], event[3], sent_chars[index])
-                        yield sse(self.chunk(index, event[2], logprobs=logprobs))
+                        if calls[index] is None:
+                            yield sse(self.chunk(index, event[2], logprobs=logprobs))
+                        else:  # deltas of content and of whole calls; the logprobs with the first
+                            for delta in calls[index].feed(event[2]) or [{}]:
+                                yield sse(self.chunk(index, delta, logprobs=logprobs))
+                                logprobs = None
                         sent_chars[index] += len(event[2])
                 elif kind == "error":
                     yield sse({"error": {"message": event[2], "type": "server_error"}})
                     break
                 else:
-                    yield sse(self.chunk(index, "", event[2], final=True))
+                    finish = event[2]
+                    if calls[index] is not None:
+                        for delta in calls[index].finish():
+                            yield sse(self.chunk(index, delta))
+                        finish = calls[index].finish_reason(finish)
+                    yield sse(self.chunk(index, "", finish, final=True))
             else:
                 if include_usage:
                     yield sse(self.usage_chunk())
@@ -618,22 +643,46 @@ def create_app(engine: Engine, max_tokens: int | None = None) -> FastAPI:
             {"id": engine.name, "object": "model", "created": 0, "owned_by": "pyml",
              "max_model_len": engine.batch.max_len}]}
 
-    def chat_text(messages: list[Message], add_generation_prompt: bool = True) -> str:
+    def chat_text(messages: list[ChatMessage], tools: list[Tool] | None,
+                  add_generation_prompt: bool = True) -> str:
         if engine.template is None:
             raise RequestError(400, f"{engine.name} has no chat template: use /v1/completions",
                                "messages")
         try:
-            return engine.template.render([m.model_dump() for m in messages], add_generation_prompt)
+            return engine.template.render([m.for_template() for m in messages], add_generation_prompt,
+                                          tools=template_tools(tools))
         except PymlError as error:
             raise RequestError(400, f"messages: {error}", "messages") from None
 
+    def tool_syntax_of(tools: list[Tool] | None) -> ToolSyntax | None:
+        if tools is None or engine.template is None:
+            return None
+        try:
+            return tool_syntax(engine.template)
+        except PymlError as error:
+            raise RequestError(400, f"tools: {error}", "tools") from None
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request, body: ChatRequest):
-        ids = engine.tokenizer.encode(chat_text(body.messages), add_special_tokens=False).ids
+        syntax = tool_syntax_of(body.tools)
+        ids = engine.tokenizer.encode(chat_text(body.messages, body.tools), add_special_tokens=False).ids
         if body.top_logprobs is not None and not body.logprobs:
             raise RequestError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        return await complete(request, body, [Prompt(ids, "")], True, logprobs, echo=False)
+        choice = body.resolved_tool_choice()
+        forced = None
+        if syntax is not None:
+            added = {token.content for token in engine.tokenizer.get_added_tokens_decoder().values()}
+            try:
+                forced = tool_call_grammar(syntax, body.tools, choice, added, body.parallel_tool_calls)
+            except PymlError as error:
+                raise RequestError(400, str(error), "tools") from None
+        if forced is not None and (body.response_format is not None or body.grammar is not None):
+            raise RequestError(400, f"tool_choice: {choice if isinstance(choice, str) else 'a named function'} "
+                               "forces the answer to be a call: leave out response_format and grammar",
+                               "tool_choice")
+        return await complete(request, body, [Prompt(ids, "")], True, logprobs, echo=False,
+                              grammar=forced, tool_calls=None if choice == "none" else syntax)
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
@@ -641,14 +690,19 @@ def create_app(engine: Engine, max_tokens: int | None = None) -> FastAPI:
                               body.logprobs, body.echo)
 
     async def complete(request: Request, body: Sampling, prompts: list[Prompt], chat: bool,
-                       logprobs: int | None, echo: bool):
+                       logprobs: int | None, echo: bool, grammar: str | None = None,
+                       tool_calls: ToolSyntax | None = None):
         raw = await request.json()
         unsupported = [name for name in UNSUPPORTED if raw.get(name) not in (None, False)]
         if raw.get("best_of") not in (None, 1):
             unsupported.insert(0, "best_of")
         if unsupported:
             raise RequestError(400, f"{unsupported[0]} is not supported by pyml serve yet", unsupported[0])
-        completion = Completion(engine, body, prompts, chat, logprobs, echo, max_tokens, answer_grammar(body))
+        if grammar is not None:  # a call the request forces
+            check_grammar(grammar, "tools")
+        else:
+            grammar = answer_grammar(body)
+        completion = Completion(engine, body, prompts, chat, logprobs, echo, max_tokens, grammar, tool_calls)
         completion.queue()
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -668,19 +722,26 @@ def create_app(engine: Engine, max_tokens: int | None = None) -> FastAPI:
         checked against the vocabulary: a 400 now rather than an error once it runs."""
         if body.response_format is not None and body.grammar is not None:
             raise RequestError(400, "grammar: give response_format or grammar, not both", "grammar")
+        param = "grammar" if body.grammar is not None else "response_format"
         try:
             grammar = (gbnf_grammar(body.grammar) if body.grammar is not None
                        else response_format_grammar(body.response_format))
-            if grammar is not None:
-                if engine.grammars is None:
-                    raise PymlError(f"{engine.name} names no end-of-sequence token (eos_token_id in "
-                                    "generation_config.json): a structured answer could not end")
-                engine.grammars.check(grammar)
         except PymlError as error:
-            param = "grammar" if body.grammar is not None else "response_format"
             raise RequestError(400, str(error) if str(error).startswith(param) else f"{param}: {error}",
                                param) from None
+        if grammar is not None:
+            check_grammar(grammar, param)
         return grammar
+
+    def check_grammar(grammar: str, param: str) -> None:
+        try:
+            if engine.grammars is None:
+                raise PymlError(f"{engine.name} names no end-of-sequence token (eos_token_id in "
+                                "generation_config.json): a structured answer could not end")
+            engine.grammars.check(grammar)
+        except PymlError as error:
+            raise RequestError(400, str(error) if str(error).startswith(param) else f"{param}: {error}",
+                               param) from None
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -690,7 +751,7 @@ def create_app(engine: Engine, max_tokens: int | None = None) -> FastAPI:
             special = True if body.add_special_tokens is None else body.add_special_tokens
             ids = engine.tokenizer.encode(body.prompt, add_special_tokens=special).ids
         else:
-            text = chat_text(body.messages, body.add_generation_prompt)
+            text = chat_text(body.messages, body.tools, body.add_generation_prompt)
             ids = engine.tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)).ids
         return {"count": len(ids), "max_model_len": engine.batch.max_len, "tokens": ids,
                 "token_strs": [engine.tokenizer.id_to_token(token) for token in ids]
