@@ -18,7 +18,17 @@ warmed up once, then measured `--repeats` times; the median round by tokens/s is
 
     python bench/serve.py [--model DIR] [--llama-server PATH] [--max-tokens 64] [--requests 2] [--repeats 3]
 
-Results go to bench/results/serve.{json,md}.
+Then, on each pyml server and llama-server (`--features`, on by default), what the server's
+features cost or save:
+- the time to first token of a chat's second turn (a long system prompt, a question, its answer,
+  a new question), with the prefix cache (pyml's; llama-server's prompt cache, its default) and,
+  for pyml, without it (`--no-prefix-cache`): the median of 3, each after its first turn;
+- aggregate tokens/s of 4 streams asking for JSON of a schema (`response_format` json_schema),
+  against the same 4 streams unconstrained;
+- one stream's decode tokens/s (first token excluded) against `pyml generate`'s on the same folder
+  and prompt.
+
+Results go to bench/results/serve.{json,md} and serve_features.{json,md}.
 """
 
 from __future__ import annotations
@@ -130,6 +140,103 @@ def round_of(url: str, concurrency: int, requests: int, max_tokens: int) -> dict
             "median_first_token_ms": round(1000 * statistics.median(first_token), 1)}
 
 
+SYSTEM = ("You are a careful assistant for a museum of maritime history. " * 24).strip()
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 4}},
+    "required": ["name", "age", "hobbies"], "additionalProperties": False}
+
+
+def first_token_of(url: str, messages: list[dict], max_tokens: int = 1) -> tuple[float, str]:
+    """(seconds to the first content chunk, the answer) of a streamed greedy chat request."""
+    body = {"model": "m", "messages": messages, "stream": True, "max_tokens": max_tokens, "temperature": 0}
+    sent, first, text = time.perf_counter(), None, []
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            delta = json.loads(line[6:])["choices"][0]["delta"] if json.loads(line[6:])["choices"] else {}
+            if delta.get("content"):
+                first = first if first is not None else time.perf_counter() - sent
+                text.append(delta["content"])
+    return first if first is not None else time.perf_counter() - sent, "".join(text)
+
+
+def second_turn_first_token(url: str) -> float:
+    """The median time to first token of 3 chats' second turns, each after its first turn."""
+    times = []
+    for topic in ("lighthouses", "anchors", "sextants"):
+        first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Tell me about {topic}."}]
+        _, answer = first_token_of(url, first, 32)
+        second = first + [{"role": "assistant", "content": answer},
+                          {"role": "user", "content": "And who used them first?"}]
+        times.append(first_token_of(url, second)[0])
+    return statistics.median(times)
+
+
+def structured_rate(url: str, schema: dict | None) -> float:
+    """Aggregate tokens/s of 4 concurrent greedy chats asking for people, as JSON of `schema` or free."""
+    tokens, lock = [0], threading.Lock()
+
+    def ask(n: int) -> None:
+        body = {"model": "m", "max_tokens": 96, "temperature": 0,
+                "messages": [{"role": "user", "content": f"Describe person number {n} as JSON."}]}
+        if schema is not None:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}
+        reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600).json()
+        with lock:
+            tokens[0] += reply["usage"]["completion_tokens"]
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=ask, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return round(tokens[0] / (time.perf_counter() - started), 1)
+
+
+def one_stream_rate(url: str, max_tokens: int) -> float:
+    """One greedy completion's decode tokens/s, its first token excluded."""
+    body = {"model": "m", "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    first, count = None, 0
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    count = chunk["usage"]["completion_tokens"]
+                elif first is None and chunk["choices"][0]["text"]:
+                    first = time.perf_counter()
+    return round((count - 1) / (time.perf_counter() - first), 1)
+
+
+def generate_rate(model: Path, max_tokens: int) -> float:
+    """`pyml generate`'s decode tokens/s on the same prompt (the figure it prints)."""
+    run = subprocess.run([sys.executable, "-m", "pyml.cli", "generate", "--model", str(model), "--prompt",
+                          "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "--max-new-tokens", str(max_tokens)],
+                         capture_output=True, text=True, check=True)
+    return float(run.stdout.split("decode: ")[1].split(" tokens at ")[1].split(" ")[0])
+
+
+def features(name: str, command: list[str], url: str, model: Path) -> dict:
+    """What the server's features cost or save (the module's docstring says how each is measured)."""
+    process = started(command, url)
+    try:
+        first_token_of(url, [{"role": "user", "content": "Hi"}], 8)  # warm
+        result = {"second_turn_first_token_ms": round(1000 * second_turn_first_token(url), 1),
+                  "plain_4_streams_tokens_per_s": structured_rate(url, None)}
+        if name != "llama.cpp":
+            result["json_schema_4_streams_tokens_per_s"] = structured_rate(url, PERSON)
+            result["one_stream_tokens_per_s"] = statistics.median(one_stream_rate(url, 200) for _ in range(3))
+        print(name, json.dumps(result), flush=True)
+        return result
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
 def measure(name: str, command: list[str], url: str, max_tokens: int, requests: int, repeats: int) -> list[dict]:
     """Each concurrency's round, the median of `repeats` by tokens/s (this machine is shared)."""
     process = started(command, url)
@@ -155,6 +262,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--requests", type=int, default=2, help="requests per client per round")
     parser.add_argument("--repeats", type=int, default=3, help="rounds per concurrency; the median is kept")
+    parser.add_argument("--features", action=argparse.BooleanOptionalAction, default=True,
+                        help="the prefix cache, structured output and one stream (the docstring)")
+    parser.add_argument("--concurrency", action=argparse.BooleanOptionalAction, default=True,
+                        help="the rounds of 1 to 16 streams")
     args = parser.parse_args()
     if not (args.model / "source.gguf").is_file():
         sys.exit(f"{args.model}: no imported GGUF folder (`make demo` or `pyml import-gguf --out DIR` makes one)")
@@ -165,14 +276,44 @@ def main() -> None:
     if args.llama_server.is_file():
         systems["llama.cpp"] = llama_cpp_command(args.llama_server, args.model, port := free_port())
         urls["llama.cpp"] = f"http://127.0.0.1:{port}"
-    results = {name: measure(name, command, urls[name], args.max_tokens, args.requests, args.repeats)
-               for name, command in systems.items()}
-    report = {"date": date.today().isoformat(), "machine": f"{platform.processor() or platform.machine()}, "
-              f"{os.cpu_count()} cores", "model": args.model.name, "max_tokens": args.max_tokens,
-              "llama_server": str(args.llama_server) if "llama.cpp" in results else None,
-              "results": results}
+    feature_results = {}
+    if args.features:
+        uncached = pyml_command(args.model, port := free_port(), "f32") + ["--no-prefix-cache"]
+        feature_results["pyml, no prefix cache"] = features("pyml, no prefix cache", uncached,
+                                                            f"http://127.0.0.1:{port}", args.model)
+        for name, command in systems.items():
+            feature_results[name] = features(name, command, urls[name], args.model)
+        feature_results["pyml generate"] = {"one_stream_tokens_per_s": statistics.median(
+            generate_rate(args.model, 200) for _ in range(3))}
+    results = ({name: measure(name, command, urls[name], args.max_tokens, args.requests, args.repeats)
+                for name, command in systems.items()} if args.concurrency else {})
+    stamp = {"date": date.today().isoformat(), "machine": f"{platform.processor() or platform.machine()}, "
+             f"{os.cpu_count()} cores", "model": args.model.name,
+             "llama_server": str(args.llama_server) if "llama.cpp" in systems else None}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "serve.json").write_text(json.dumps(report, indent=2) + "\n")
+    if results:
+        report = stamp | {"max_tokens": args.max_tokens, "results": results}
+        (RESULTS / "serve.json").write_text(json.dumps(report, indent=2) + "\n")
+        lines = concurrency_table(report, results, args)
+        (RESULTS / "serve.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+    if feature_results:
+        (RESULTS / "serve_features.json").write_text(json.dumps(stamp | {"features": feature_results}, indent=2) + "\n")
+        lines = [f"The server's features on {stamp['model']}, {stamp['date']}, {stamp['machine']} "
+                 "(bench/serve.py's docstring says how each is measured).", "",
+                 "| system | " + " | ".join(FEATURES.values()) + " |", "|---|" + "---|" * len(FEATURES)]
+        for name, entry in feature_results.items():
+            lines.append(f"| {name} | " + " | ".join(str(entry.get(key, "")) for key in FEATURES) + " |")
+        (RESULTS / "serve_features.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+
+
+FEATURES = {"second_turn_first_token_ms": "second turn's first token, ms",
+            "plain_4_streams_tokens_per_s": "4 streams, tok/s", "json_schema_4_streams_tokens_per_s":
+            "4 streams of json_schema, tok/s", "one_stream_tokens_per_s": "one stream's decode, tok/s"}
+
+
+def concurrency_table(report: dict, results: dict, args) -> list[str]:
     lines = [f"Serving {report['model']} (the GGUF's weights as stored), {report['date']}, "
              f"{report['machine']}: greedy streamed chat requests of up to {args.max_tokens} tokens; "
              f"aggregate tokens/s (x its 1-stream figure), median time to first token; the median of "
@@ -187,8 +328,7 @@ def main() -> None:
         lines.append(f"| {concurrency} | " + " | ".join(cells) + " |")
     if "llama.cpp" not in results:
         lines += ["", f"llama.cpp not run: no llama-server at {args.llama_server} (`make bench-serve` builds it)."]
-    (RESULTS / "serve.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return lines
 
 
 if __name__ == "__main__":

@@ -492,11 +492,16 @@ class Completion:
                 return
 
     def usage(self) -> dict:
-        prompt_tokens = sum(len(job.prompt_ids) for job in self.jobs)
+        """OpenAI's usage: each prompt counted once, however many choices it has; its cached
+        tokens, the most the prefix cache held for any of its choices."""
+        n = len(self.jobs) // len(self.prompts)
+        prompt_tokens = sum(len(prompt.ids) for prompt in self.prompts)
+        cached = sum(max(choice.cached for choice in self.choices[start:start + n])
+                     for start in range(0, len(self.choices), n))
         completion_tokens = sum(choice.completion_tokens for choice in self.choices)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": sum(choice.cached for choice in self.choices)}}
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def prompt_of(self, index: int) -> Prompt:
         return self.prompts[index // (len(self.jobs) // len(self.prompts))]
@@ -554,7 +559,7 @@ class Completion:
             for index in range(len(self.jobs)):
                 if self.chat:
                     yield sse(self.chunk(index, {"role": "assistant", "content": ""}))
-                elif self.echo and (self.logprobs is None):
+                elif self.echo and self.logprobs is None:
                     text = self.prompt_of(index).text
                     yield sse(self.chunk(index, text))
                     sent_chars[index] = len(text)
