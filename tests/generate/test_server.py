@@ -328,6 +328,23 @@ def test_bad_requests_get_400_naming_the_field(server, body, param):
     assert error["type"] == "invalid_request_error" and error["param"] == param, error
 
 
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [[]]}, "prompt"),
+    ({"prompt": ["the cat", ""]}, "prompt.1"),
+    ({"prompt": [5, 10**6]}, "prompt"),  # a token id outside the vocabulary
+    ({"prompt": [[1, 2], [3, -1]]}, "prompt.1"),
+    ({"prompt": "the cat", "logprobs": 21}, "logprobs"),
+    ({"prompt": "the cat", "max_tokens": 0}, "max_tokens"),  # no answer, and no echo to score
+    ({"prompt": "the cat", "suffix": "mat"}, "suffix"),
+    ({"prompt": "the cat", "logit_bias": {"5": 10}}, "logit_bias"),
+])
+def test_bad_completion_requests_get_400_naming_the_field(server, body, param):
+    response = httpx.post(f"{server[1]}/v1/completions", json={"model": "tiny", **body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param, response.json()
+
+
 def test_a_text_response_format_is_the_default(server):
     _, url = server
     body = {"messages": QUESTION, "max_tokens": 4, "temperature": 0}
