@@ -101,7 +101,7 @@ test: $(STAMP) browser llama-cpp-python
 	$(BIN)/pyml check
 	$(BIN)/python -m pytest -q --durations=25
 
-# The chat page's test (tests/generate/test_chat_page.py) drives Debian's chromium through its
+# The chat page's test (tests/serve/test_chat_page.py) drives Debian's chromium through its
 # chromedriver: installed here where this runs as root with apt-get; elsewhere it is up to the user.
 browser:
 	@command -v chromedriver >/dev/null || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null \

@@ -429,7 +429,7 @@ def serve(
     (streaming or not), GET /v1/models; POST /tokenize, /detokenize, GET /tokenizer_info,
     /metrics and /health; up to --max-sequences requests decoded together (continuous batching)."""
     try:
-        from pyml.generate.server import serve as run_server
+        from pyml.serve.server import serve as run_server
     except ModuleNotFoundError as error:
         raise PymlError(f"pyml serve needs {error.name}: install the pyml-spec wheel with its "
                         "[serve] extra (pip install \"WHEEL[serve]\"), or pip install fastapi "

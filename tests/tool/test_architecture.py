@@ -8,6 +8,7 @@ function, so a circle cannot hide behind a lazy import.
     codegen                                    (spec -> generated code that imports package)
     packages                                   (spec -> a generated package, via the cache)
     train, generate                            (running a package)
+    serve                                      (the OpenAI API over generate)
     cli, cli_help                              (the command, and how its help reads)
 
 `pyml` itself (its __init__) stands apart: any module may import it (it puts the thread-pool
@@ -31,6 +32,7 @@ STAGES = [
     {"codegen"},
     {"packages", "prove"},
     {"train", "generate"},
+    {"serve"},
     {"cli", "cli_help"},
 ]
 

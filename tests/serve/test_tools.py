@@ -1,4 +1,4 @@
-"""OpenAI tool calling (pyml.generate.tools), without model weights: the real Qwen2.5 and Llama 3.1
+"""OpenAI tool calling (pyml.serve.tools), without model weights: the real Qwen2.5 and Llama 3.1
 chat templates render a conversation with tools, calls and tool answers as transformers'
 apply_chat_template renders it; the model's text is read back into OpenAI tool_calls, whole and
 streamed in any split; the grammar of a required or named call, masking random logits token by
@@ -23,7 +23,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pyml.errors import PymlError
 from pyml.formats.chat_template import ChatTemplate
-from pyml.generate.tools import (
+from pyml.serve.tools import (
     ChatMessage,
     NamedToolChoice,
     Tool,

@@ -43,7 +43,7 @@ from pydantic_core import PydanticCustomError
 
 from pyml.errors import PymlError
 from pyml.formats.chat_template import ChatTemplate
-from pyml.generate.constrained import json_schema_grammar, lark_grammar
+from pyml.serve.constrained import json_schema_grammar, lark_grammar
 
 
 class FunctionDefinition(BaseModel):
@@ -426,7 +426,7 @@ NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": Fal
 
 def tool_call_grammar(syntax: ToolSyntax, tools: list[Tool], choice: ToolChoice,
                       added_tokens: Collection[str], parallel: bool = True) -> str | None:
-    """The grammar (llguidance's, as pyml.generate.constrained makes them) of the answers `choice`
+    """The grammar (llguidance's, as pyml.serve.constrained makes them) of the answers `choice`
     allows: None for "auto" and "none"; for "required", one or more calls of any of the tools
     (one where not `parallel`, and in Llama 3.1's syntax, whose template refuses several); for a
     named function, one call of it. `added_tokens` are the contents of the tokenizer's added tokens (tokenizer.json's

@@ -21,7 +21,7 @@ import torch
 
 from pyml.formats.chat_template import ChatTemplate
 from pyml.generate import decoding
-from pyml.generate.logprobs import TokenTexts
+from pyml.serve.logprobs import TokenTexts
 from tests.support import anchors
 from tests.support.hf_reference import llama_in_float64
 from tests.support.server_process import started
@@ -438,7 +438,7 @@ def wait_for_health(url: str, **counts) -> None:
 ])
 def test_options_the_server_cannot_run_are_refused_in_one_line(tiny_folders, options, message):
     from pyml.errors import PymlError
-    from pyml.generate.server import serve
+    from pyml.serve.server import serve
 
     with pytest.raises(PymlError, match=message):
         serve(tiny_folders["llama"], "127.0.0.1", 0, **{"max_queue": 16, **options})

@@ -1,4 +1,4 @@
-"""Structured output (`pyml.generate.constrained`) on SmolLM2's real vocabulary: answers drawn from
+"""Structured output (`pyml.serve.constrained`) on SmolLM2's real vocabulary: answers drawn from
 random logits through the grammar's mask, token by token as `pyml serve` draws them, parse and
 validate against their schema; the end-of-sequence tokens are allowed exactly where the grammar may
 end; the tokens of a padded embedding beyond the tokenizer's are never allowed; bad grammars and
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from pyml.errors import PymlError
-from pyml.generate.constrained import (
+from pyml.serve.constrained import (
     Grammars,
     gbnf_grammar,
     json_schema_grammar,

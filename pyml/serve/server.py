@@ -13,7 +13,7 @@ no build step) that streams its answers from /v1/chat/completions.
 
 A completions `prompt` is a string, a list of strings, a list of token ids or a list of such lists:
 one choice per prompt (times `n`), in order. `echo` puts the prompt before the answer, and
-`logprobs` gives every token's log-probability (pyml.generate.logprobs), an echoed prompt's
+`logprobs` gives every token's log-probability (pyml.serve.logprobs), an echoed prompt's
 included: its positions are scored in the same steps that prefill it. `n` choices of one prompt
 are sampled with seeds seed, seed + 1, ...: each choice is the answer of a request with its seed.
 
@@ -58,8 +58,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from pyml.errors import PymlError
 from pyml.formats.chat_template import ChatTemplate
 from pyml.generate import decoding
-from pyml.generate.constrained import Grammars, Matcher, gbnf_grammar, response_format_grammar
-from pyml.generate.logprobs import (
+from pyml.serve.constrained import Grammars, Matcher, gbnf_grammar, response_format_grammar
+from pyml.serve.logprobs import (
     MAX_TOP_LOGPROBS,
     TokenLogprob,
     TokenTexts,
@@ -67,9 +67,9 @@ from pyml.generate.logprobs import (
     completion_logprobs,
     token_logprob,
 )
-from pyml.generate.operations import ApiKey, BodyLimit, CountRequests, Metrics
+from pyml.serve.operations import ApiKey, BodyLimit, CountRequests, Metrics
 from pyml.generate.quantized import PREFILL_CHUNK, DecodingBatch, QuantizedDecoder
-from pyml.generate.tools import (
+from pyml.serve.tools import (
     ChatMessage,
     Tool,
     ToolCallStream,
@@ -170,7 +170,7 @@ class Job:
     cancelled: threading.Event
     logprobs: int | None = None  # each answer token's and its top-N's; None: none
     prompt_logprobs: int | None = None  # the same of every prompt token's (echo)
-    grammar: str | None = None  # what the answer must be (pyml.generate.constrained)
+    grammar: str | None = None  # what the answer must be (pyml.serve.constrained)
     arrived: float = field(default_factory=time.perf_counter)
 
     def emit(self, *event) -> None:
@@ -625,7 +625,7 @@ def create_app(engine: Engine, max_tokens: int | None = None) -> FastAPI:
         kind = "rate_limit_exceeded" if error.status == 429 else "invalid_request_error"
         return error_response(error.status, str(error), error.param, kind)
 
-    page = resources.files("pyml.generate").joinpath("chat_page.html").read_text(encoding="utf-8")
+    page = resources.files("pyml.serve").joinpath("chat_page.html").read_text(encoding="utf-8")
 
     @app.get("/", response_class=HTMLResponse)
     async def chat_page() -> str:
