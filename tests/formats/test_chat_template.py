@@ -1,5 +1,5 @@
 """What a chat template may use beyond plain Jinja, rendered as transformers' apply_chat_template
-renders it (the real tool-calling templates: tests/generate/test_tools.py), and a template that
+renders it (the real tool-calling templates: tests/serve/test_tools.py), and a template that
 fails on the conversation fails with pyml's error, naming the template."""
 
 import os
