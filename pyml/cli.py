@@ -362,10 +362,14 @@ def train(
     lora_rank: Annotated[int | None, typer.Option(help="Train LoRA adapters of this rank on the frozen --init weights (the spec plus a LoRA table; refused if the spec has its own); checkpoints hold the adapters only, in peft's layout.")] = None,
     lora_alpha: Annotated[float | None, typer.Option(help="With --lora-rank: the adapters' scale is alpha / rank. Default 8.")] = None,
     lora_targets: Annotated[str | None, typer.Option(help="With --lora-rank: the projections to adapt, comma-separated, of q,k,v,o,gate,up,down. Default q,v.")] = None,
+    method: Annotated[str | None, typer.Option(help="sft (supervised fine-tuning, the default), or preference tuning on --data of {\"prompt\", \"chosen\", \"rejected\"} pairs (texts, or lists of messages), as TRL computes it: dpo (against the model as it was before the first step) or orpo. --lr then defaults to 1e-6 (TRL's), 1e-5 with --lora-rank; --batch counts pairs.")] = None,
+    beta: Annotated[float | None, typer.Option(help="--method dpo: the temperature beta; orpo: the odds-ratio term's weight lambda. Default 0.1, as TRL.")] = None,
+    loss_type: Annotated[str | None, typer.Option(help="--method dpo: sigmoid (DPO's loss, the default) or ipo.")] = None,
 ) -> None:
     """Train a generated model on real data: progress bar, held-out loss, checkpoints, --resume,
     Ctrl-C saves a checkpoint. Runs data-parallel under mpiexec or srun, or with --ranks. With
-    --lora-rank, trains LoRA adapters instead of every weight."""
+    --lora-rank, trains LoRA adapters instead of every weight; with --method dpo or orpo, tunes on
+    preference pairs."""
     from pyml.train import distributed
     from pyml.train.lora import parse_targets
 
@@ -386,7 +390,8 @@ def train(
             lora_targets=None if lora_targets is None else parse_targets(lora_targets),
             train_on=train_on, long_examples=long_examples, eval_data=eval_data, accumulate=accumulate,
             schedule=schedule, warmup_steps=warmup_steps, min_lr=min_lr, log=log, packing=packing,
-            epochs=epochs, keep=keep, recompute=recompute)
+            epochs=epochs, keep=keep, recompute=recompute, method=method, beta=beta,
+            loss_type=loss_type)
     raise typer.Exit(result.exit_status)
 
 
@@ -449,11 +454,24 @@ def evaluate(
     train_on: Annotated[str | None, typer.Option(help="Examples: assistant (score the answers only, the default) or all.")] = None,
     long_examples: Annotated[str | None, typer.Option(help="Examples longer than --seq: truncate (the default) or drop.")] = None,
     dtype: Annotated[str, typer.Option(help="float32 or float64.")] = "float32",
+    method: Annotated[str, typer.Option(help="sft (the cross-entropy of examples, the default), or dpo or orpo: the preference loss and TRL's reward metrics on {\"prompt\", \"chosen\", \"rejected\"} pairs.")] = "sft",
+    beta: Annotated[float, typer.Option(help="--method dpo or orpo: beta (ORPO's lambda), as the run trained with.")] = 0.1,
+    loss_type: Annotated[str, typer.Option(help="--method dpo: sigmoid or ipo.")] = "sigmoid",
+    reference: Annotated[Path | None, typer.Option(help="--method dpo without --adapter: the model folder the run started from (its reference). With --adapter the base --model is the reference.")] = None,
 ) -> None:
     """Score a model on held-out data: the mean cross-entropy over the targets that training
-    counts, and its perplexity."""
-    from pyml.train.evaluation import evaluate_folder
+    counts, and its perplexity; or, with --method dpo or orpo, the preference loss and the
+    reward accuracy and margins on held-out pairs."""
+    from pyml.train.evaluation import evaluate_folder, evaluate_pairs_folder
 
+    if method != "sft":
+        from pyml.train.preference import Objective, describe_metrics
+
+        objective = Objective(method, beta, loss_type if method == "dpo" else "sigmoid")
+        result = evaluate_pairs_folder(model, data, objective, adapter, reference, seq, batch, dtype)
+        print(f"loss {result['loss']:.4f}, {describe_metrics(result)} over {result['pairs']:,} pairs "
+              f"of {data} ({result['skipped']})")
+        return
     result = evaluate_folder(model, data, adapter, seq, batch, train_on, long_examples, dtype)
     print(f"loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f} over {result['tokens']:,} "
           f"target tokens in {result['rows']:,} rows of {data}"

@@ -117,6 +117,9 @@ class Activations:
         self.self_attn_qk = heads(self.self_attn_qkv, 0, 6)
         self.self_attn_heads_out_rows = self.self_attn_heads_out.reshape((kept, N, 32))
         self.targets = zeros(N, np.int64)
+        # None: the loss is the targets' mean cross-entropy; else (N,) float64 weights of each
+        # row's cross-entropy in the gradient (DecoderModel.loss_and_grads' token_weights)
+        self.token_weights = None
         # each token's position in its example: t, or from 0 at each example packed in a row
         self.positions = zeros((B, T), np.int64)
 
@@ -273,7 +276,7 @@ class Model(base.DecoderModel):
         `ready(i)` once GRAD_BUCKETS[i] is final."""
         k, p, gr, dev = self.device.kernels, self.params, self.grads, self.device
         # loss (loss)
-        loss = k.loss_forward_backward(s.logits, s.targets, s.logits)
+        loss = k.loss_forward_backward(s.logits, s.targets, s.logits, s.token_weights)
         # lm_head (linear); Lean: linear_input_adjoint, linear_weight_adjoint_input, linear_weight_adjoint_weight
         k.linear_backward(s.final_norm_out, p.embed, s.logits, g.final_norm_out, gr.embed)
         # final_norm (rmsnorm); Lean: hadamard_adjoint

@@ -75,6 +75,9 @@ class Activations:
         self.act2_out = zeros((N, 64))
         self.fc3_out = zeros((N, 10))
         self.targets = zeros(N, np.int64)
+        # None: the loss is the targets' mean cross-entropy; else (N,) float64 weights of each
+        # row's cross-entropy in the gradient (DecoderModel.loss_and_grads' token_weights)
+        self.token_weights = None
         self.logits = self.fc3_out
 
 
@@ -136,7 +139,7 @@ class Model(base.SequentialModel):
         `ready(i)` once GRAD_BUCKETS[i] is final."""
         k, p, gr, dev = self.device.kernels, self.params, self.grads, self.device
         # loss (loss)
-        loss = k.loss_forward_backward(s.fc3_out, s.targets, s.fc3_out)
+        loss = k.loss_forward_backward(s.fc3_out, s.targets, s.fc3_out, s.token_weights)
         # fc3 (linear); Lean: bias_adjoint, linear_input_adjoint, linear_weight_adjoint_input, linear_weight_adjoint_weight
         k.linear_bias_backward(s.act2_out, p.fc3, s.fc3_out, g.act2_out, gr.fc3, gr.fc3_bias)
         ready(0)

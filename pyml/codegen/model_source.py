@@ -195,6 +195,9 @@ def activation_lines(graph: Graph, layout: Layout) -> list[str]:
             lines.append(f"self.{value.name} = "
                          f"{view_text(value, f'self.{value.storage}', storage.shape, lead)}")
     lines.append("self.targets = zeros(N, np.int64)")
+    lines.append("# None: the loss is the targets' mean cross-entropy; else (N,) float64 weights of each")
+    lines.append("# row's cross-entropy in the gradient (DecoderModel.loss_and_grads' token_weights)")
+    lines.append("self.token_weights = None")
     if graph.form == "decoder":
         lines.append("# each token's position in its example: t, or from 0 at each example packed in a row")
         lines.append("self.positions = zeros((B, T), np.int64)")

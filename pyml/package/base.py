@@ -322,6 +322,7 @@ class DecoderModel(Model):
     def __init__(self, dtype=np.float32, device="cpu", maps=None):
         super().__init__(dtype, device, maps)
         self.rope = device_rope_tables(self.ROPE_TABLES, self.MAX_SEQ_LEN, self.device)
+        self.token_weight_buffer = {}  # row count -> token_weight_buffers' pair
 
     @classmethod
     def table_bytes(cls, itemsize):
@@ -394,10 +395,17 @@ class DecoderModel(Model):
         self.run_forward(s)
         return self.device.to_host(s.logits).reshape(B, T, self.VOCAB)
 
-    def loss_and_grads(self, input_ids, targets, on_grads_ready=None, positions=None):
+    def loss_and_grads(self, input_ids, targets, on_grads_ready=None, positions=None,
+                       token_weights=None):
         """Mean cross-entropy of next-token `targets` (B, T); gradients land in `self.grads`.
         `on_grads_ready(i)` is called as soon as `grad_buckets[i]` is final; `positions` as
-        `load_positions` says (rows packing several examples)."""
+        `load_positions` says (rows packing several examples).
+
+        `token_weights` makes the gradient that of a loss of the targets' log-probabilities (a
+        preference loss, `pyml.train.preference`): called once, between this forward and the
+        backward, with each target's log-probability under the current weights ((B, T) float64,
+        0 where no target), it returns each target's weight (B, T): d loss / d its cross-entropy.
+        One forward serves both. The mean cross-entropy is still what is returned."""
         if np.shape(targets) != np.shape(input_ids):
             raise PymlError(
                 f"targets shape {np.shape(targets)} differs from input_ids shape {np.shape(input_ids)}"
@@ -408,7 +416,40 @@ class DecoderModel(Model):
         self.load_batch(targets, s.targets, "targets")
         self.load_positions(positions, (B, T), s.positions)
         self.run_forward(s)
-        return self.run_loss_and_backward(s, g, on_grads_ready or no_bucket_hook)
+        if token_weights is None:
+            return self.run_loss_and_backward(s, g, on_grads_ready or no_bucket_hook)
+        log_probs, weights = self.token_weight_buffers(B * T)
+        self.device.kernels.target_log_probs(s.logits, s.targets, log_probs)
+        chosen = np.asarray(token_weights(self.device.to_host(log_probs).reshape(B, T)), np.float64)
+        if chosen.shape != (B, T):
+            raise PymlError(f"token_weights returned {chosen.shape} weights for a ({B}, {T}) batch")
+        self.device.to_device(np.ascontiguousarray(chosen).reshape(-1), weights)
+        s.token_weights = weights
+        try:
+            return self.run_loss_and_backward(s, g, on_grads_ready or no_bucket_hook)
+        finally:
+            s.token_weights = None
+
+    def target_log_probs(self, input_ids, targets, positions=None):
+        """Each next-token target's log-probability (B, T) float64 (0 where no target), from a
+        forward pass alone: what a sequence's log-probability sums (DPO's reference model)."""
+        B, T = np.shape(input_ids)
+        s, _ = self.buffers_for(B, T)
+        self.load_batch(input_ids, s.ids, "input_ids")
+        self.load_batch(targets, s.targets, "targets")
+        self.load_positions(positions, (B, T), s.positions)
+        self.run_forward(s)
+        log_probs, _ = self.token_weight_buffers(B * T)
+        self.device.kernels.target_log_probs(s.logits, s.targets, log_probs)
+        return self.device.to_host(log_probs).reshape(B, T).copy()
+
+    def token_weight_buffers(self, n_rows):
+        """(target log-probabilities, token weights): two (n_rows,) float64 device buffers for
+        `loss_and_grads(token_weights=...)`, made once per row count."""
+        if n_rows not in self.token_weight_buffer:
+            self.token_weight_buffer[n_rows] = (self.device.zeros(n_rows, np.float64),
+                                                self.device.zeros(n_rows, np.float64))
+        return self.token_weight_buffer[n_rows]
 
     def start_decoding(self, prompt_ids, max_len):
         """Run the prompt (B, T) through the model and return a cache for `max_len` positions

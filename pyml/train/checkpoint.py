@@ -33,6 +33,7 @@ from pyml.outputs import atomic_write, os_error, written_folder
 from pyml.train.lora import ADAPTER_MODEL_FILE, read_adapter_tensors, write_adapter_folder
 from pyml.train.loss_curve import LOSS_CURVE_FILE
 from pyml.train.metrics import EVENTS_FOLDER, METRICS_FILE
+from pyml.train.preference import REFERENCE_FILE
 
 CHECKPOINT_PREFIX = "step_"
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -62,7 +63,7 @@ def is_run_folder(path: Path) -> bool:
     `pyml train --out` may start or continue)."""
     if not Path(path).is_dir():
         return False
-    written = (LOSS_CURVE_FILE, METRICS_FILE, EVENTS_FOLDER)
+    written = (LOSS_CURVE_FILE, METRICS_FILE, EVENTS_FOLDER, REFERENCE_FILE)
     return all(child.name.startswith((CHECKPOINT_PREFIX, ".")) or child.name in written
                for child in Path(path).iterdir())
 

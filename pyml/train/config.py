@@ -14,7 +14,7 @@ from pyml.train.schedule import check_schedule
 # Options that fix what a run computes: a resume must use the values the checkpoint was made with.
 FIXED_ON_RESUME = ("batch", "seq", "lr", "weight_decay", "max_grad_norm", "seed", "dtype",
                    "train_on", "long_examples", "eval_data", "accumulate", "schedule",
-                   "warmup_steps", "min_lr", "packing")
+                   "warmup_steps", "min_lr", "packing", "method", "beta", "loss_type")
 # Defaults that differ by model form. A decoder is fine-tuned as TRL's SFTTrainer fine-tunes one:
 # 3 epochs (transformers' num_train_epochs), learning rate 2e-5 (SFTConfig's default) decaying
 # linearly to 0 (transformers' lr_scheduler_type), no warmup (both libraries' default). A constant
@@ -30,6 +30,10 @@ FORM_DEFAULTS = {
 # LoRA trains a few small matrices from zero (B = 0): it takes about ten times full fine-tuning's
 # rate, as TRL's and peft's LoRA examples use (2e-4).
 LORA_LR = 2e-4
+# Preference tuning (--method dpo, orpo) starts from a fine-tuned model and moves it little: TRL's
+# DPOConfig and ORPOConfig default to 1e-6; LoRA takes ten times that, as it does for SFT.
+PREFERENCE_LR = 1e-6
+PREFERENCE_LORA_LR = 1e-5
 COMMON_DEFAULTS = {
     "weight_decay": 0.01,
     "max_grad_norm": 1.0,
@@ -49,6 +53,7 @@ COMMON_DEFAULTS = {
     # every checkpoint is kept, as transformers' save_total_limit=None keeps them: the best one is
     # often not the latest, and a deleted one cannot be had back (--keep N to save the disk)
     "keep": None,
+    "method": "sft",  # sft, or a preference method (pyml.train.preference): dpo, orpo
 }
 
 
@@ -89,6 +94,18 @@ class TrainingConfig:
     # a decoder's backward runs each block again instead of keeping its activations (None: a
     # checkpoint from before the option, which did not); a resume may change it, as --device
     recompute: bool | None = False
+    method: str | None = "sft"  # sft, dpo or orpo (None: a checkpoint from before the option, sft)
+    beta: float | None = None  # dpo and orpo: DPO's temperature, ORPO's lambda
+    loss_type: str | None = None  # dpo: sigmoid or ipo
+
+    def objective(self):
+        """The preference objective of a dpo or orpo run (`pyml.train.preference.Objective`);
+        None for supervised fine-tuning."""
+        from pyml.train.preference import Objective
+
+        if self.method in (None, "sft"):
+            return None
+        return Objective(self.method, self.beta, self.loss_type or "sigmoid")
 
 
 def steps_for_epochs(epochs: float, rows: int, batch: int, accumulate: int) -> int:
@@ -134,5 +151,9 @@ def check_config(config: TrainingConfig) -> None:
         raise PymlError(f"--dtype must be float32 or float64, got {config.dtype}")
     if config.log is not None:
         event_writer_class(config.log)
+    if config.method not in (None, "sft"):
+        config.objective()  # refuses a bad --method, --beta or --loss-type
+    elif config.beta is not None or config.loss_type is not None:
+        raise PymlError("--beta and --loss-type set a preference loss: give --method dpo or orpo")
 
 

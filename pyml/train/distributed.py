@@ -109,6 +109,12 @@ class SingleProcess:
                    positions=None) -> float:
         return package.train_step(model, optimizer, inputs, targets, slices, positions=positions)
 
+    def preference_step(self, model, optimizer, batch, objective, stop, slices: int = 1):
+        """One optimizer step on a batch of preference pairs (`pyml.train.preference`)."""
+        from pyml.train.preference import preference_step
+
+        return preference_step(model, optimizer, batch, objective, slices)
+
     def save_checkpoint(self, out: Path, model, optimizer, state: dict, model_files=None) -> Path:
         from pyml.train.checkpoint import save_checkpoint
 
@@ -190,6 +196,38 @@ class DataParallel:
         # the batch's mean loss: each rank's mean weighted by its counted targets, in rank order
         return sum(count * rank_loss for count, (rank_loss, _, _) in zip(counted, statuses)
                    if count) / total  # fmt: skip
+
+    def preference_step(self, model, optimizer, batch, objective, stop, slices: int = 1):
+        """One step of a global batch of preference pairs, the same on every rank: rank r takes
+        its share of the pairs, weighted for the whole batch (each pair 1 / its pairs, as TRL
+        under DDP), and the ranks' gradients are summed; returns the batch's `PreferenceStep`
+        (every rank's pairs, in rank order)."""
+        from pyml.train.preference import PreferenceStep, chosen_token_count, preference_loss_and_grads
+
+        world, exchange, step = self.world, self.exchange, optimizer.step_count + 1
+        world.context = f"at step {step}"
+        bounds = [batch.pairs * r // world.size for r in range(world.size + 1)]
+        exchange.start_step([1.0] * world.size)  # each rank's gradient is weighted for the whole batch
+        failure, terms = None, []
+        try:
+            mine = preference_loss_and_grads(
+                model, batch.take(slice(bounds[world.rank], bounds[world.rank + 1])), objective, slices,
+                exchange.bucket_ready, (batch.pairs, chosen_token_count(batch)))
+            loss, terms = mine.loss, mine.terms
+        except Exception as error:  # bad data or a bug on this rank: every rank drops the step
+            loss, failure = math.nan, describe(error)
+        exchange.all_buckets_ready()  # those a failure left unreported: the same collectives
+        if failure is None and not math.isfinite(loss):
+            failure = f"non-finite loss ({loss}) at optimizer step {step}; weights left unchanged"
+        statuses = world.allgather_objects((loss, terms, failure, stop.signum), exchange.progress)
+        exchange.finish()
+        failures = [f"rank {r}: {failed}" for r, (_, _, failed, _) in enumerate(statuses) if failed]
+        if failures:
+            raise GroupError("; ".join(failures))
+        optimizer.step()
+        stop.signum = next((signum for *_, signum in statuses if signum is not None), None)
+        return PreferenceStep(sum(rank_loss for rank_loss, *_ in statuses),
+                              [term for _, rank_terms, *_ in statuses for term in rank_terms])
 
     def save_checkpoint(self, out: Path, model, optimizer, state: dict, model_files=None) -> Path:
         """Rank 0 writes the checkpoint (a sharded optimizer's state gathered first, with every

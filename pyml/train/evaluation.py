@@ -71,6 +71,9 @@ def describe_evaluation(evaluation: dict) -> str:
     text = f"step {evaluation['step']}: held-out loss {evaluation['loss']:.4f}"
     if "accuracy" in evaluation:
         text += f", accuracy {evaluation['accuracy']:.4f}"
+    if "rewards/accuracies" in evaluation:
+        text += (f", reward accuracy {evaluation['rewards/accuracies']:.4f}, "
+                 f"margin {evaluation['rewards/margins']:.4f}")
     return text
 
 
@@ -109,3 +112,62 @@ def evaluate_folder(model_dir: Path, data: Path, adapter: Path | None = None, se
     loss_sum, counted, _ = loss_over(scorer, inputs, targets, batch, positions)
     loss = loss_sum / counted
     return {"loss": loss, "perplexity": math.exp(loss), "tokens": counted, "rows": len(inputs), **counts}
+
+
+def logit_scorer(model):
+    """(input ids, targets) -> each target's log-probability (B, T) float64, 0 where no target,
+    from `model.forward`'s logits (any model `pyml eval` loads; the float64 log-softmax in numpy,
+    as `cross_entropy_sum` takes it)."""
+
+    def score(inputs: np.ndarray, targets: np.ndarray) -> np.ndarray:
+        logits = np.asarray(model.forward(inputs), dtype=np.float64)
+        shifted = logits - logits.max(axis=-1, keepdims=True)
+        log_normalisers = np.log(np.exp(shifted).sum(axis=-1))
+        has_target = targets != IGNORED_TARGET
+        picked = np.take_along_axis(shifted, np.where(has_target, targets, 0)[..., None], axis=-1)[..., 0]
+        return np.where(has_target, picked - log_normalisers, 0.0)
+
+    return score
+
+
+def evaluate_pairs_folder(model_dir: Path, data: Path, objective, adapter: Path | None = None,
+                          reference: Path | None = None, seq: int = 128, batch: int = 2,
+                          dtype: str = "float32") -> dict:
+    """`pyml eval --method dpo|orpo`: the preference loss and TRL's metrics of the model in
+    `model_dir` (with a LoRA `adapter`) on every pair of `data` that fits `seq`. DPO's reference
+    is the base without the adapter, or the `reference` model folder (the model the run started
+    from) for a fully fine-tuned model."""
+    from pyml.generate.decoding import load_decoder, load_model
+    from pyml.train.folder_data import FolderTokens
+    from pyml.train.preference import evaluate_pairs, load_pairs, pair_rows, with_reference
+
+    if seq < 1 or batch < 1:
+        raise PymlError("--seq and --batch must be at least 1")
+    if dtype not in ("float32", "float64"):
+        raise PymlError(f"--dtype must be float32 or float64, got {dtype}")
+    if objective.uses_reference and adapter is None and reference is None:
+        raise PymlError("--method dpo compares the model with its reference: give --adapter (the base "
+                        "is the reference) or --reference, the model folder the run started from")
+    if not objective.uses_reference and reference is not None:
+        raise PymlError(f"--method {objective.method} uses no reference model: leave out --reference")
+
+    def scorer(folder: Path, folder_adapter: Path | None):
+        if dtype == "float32":  # the weights as stored, through the decode step
+            decoder = load_decoder(Path(folder), adapter=folder_adapter)
+            return decoder.model, logit_scorer(decoder)
+        model = load_model(Path(folder), adapter=folder_adapter, dtype=np.dtype(dtype))
+        return model, model.target_log_probs
+
+    model, score = scorer(model_dir, adapter)
+    if seq > model.MAX_SEQ_LEN:
+        raise PymlError(f"--seq {seq} exceeds the model's max_seq_len {model.MAX_SEQ_LEN}")
+    tokens = FolderTokens(Path(model_dir), model.VOCAB, model.SPEC_NAME)
+    pairs, skips = load_pairs(Path(data), tokens)
+    rows, too_long = pair_rows(pairs, seq, tokens.pad_id)
+    if not rows.pairs:
+        raise PymlError(f"{data}: no pair fits --seq {seq}: use a longer --seq")
+    if objective.uses_reference:
+        _, reference_score = scorer(reference or model_dir, None)
+        rows = with_reference(rows, reference_score, batch)
+    return {**evaluate_pairs(score, rows, objective, batch), "pairs": rows.pairs,
+            "skipped": skips.describe(too_long)}

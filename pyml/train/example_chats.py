@@ -8,6 +8,12 @@ statement, the question `make demo` asks before and after: the held-out loss and
 on questions the run never saw.
 
     python -m pyml.train.example_chats OUT_DIR   # writes OUT_DIR/train.jsonl and OUT_DIR/held_out.jsonl
+
+Preference pairs for `pyml train --method dpo|orpo` come from the same topics: the question, its
+topic's paragraph as the chosen answer and, as the rejected one, the paragraph of a topic of a
+third kept apart for wrong answers (`pairs`).
+
+    python -m pyml.train.example_chats OUT_DIR --pairs   # OUT_DIR/train_pairs.jsonl, held_out_pairs.jsonl
 """
 
 from __future__ import annotations
@@ -66,31 +72,54 @@ def chats() -> list[dict]:
     return examples
 
 
-def write(out: Path) -> None:
-    """Write out/train.jsonl and out/held_out.jsonl (replacing them), each atomically."""
+# Every WRONG_ANSWER_SHARE-th topic is not asked about: its answer is a wrong answer to the others'
+# questions, so no answer is ever both a chosen and a rejected one (which would push it up and
+# down at once)
+WRONG_ANSWER_SHARE = 3
+
+
+def pairs() -> list[dict]:
+    """One {"prompt", "chosen", "rejected"} pair (TRL's conversational shape) per topic of
+    `chats()` but every WRONG_ANSWER_SHARE-th: the question, its topic's answer, and as the wrong
+    answer one of those other topics' answers, in turn."""
     examples = chats()
+    wrong = [example for index, example in enumerate(examples) if index % WRONG_ANSWER_SHARE == 2
+             and example["messages"][0]["content"] != question(DEMO_TOPIC)]
+    asked = [example for example in examples if example not in wrong]
+    return [{"prompt": example["messages"][:1], "chosen": example["messages"][1:],
+             "rejected": wrong[index % len(wrong)]["messages"][1:]} for index, example in enumerate(asked)]
+
+
+def write(out: Path, as_pairs: bool = False) -> None:
+    """Write out/train.jsonl and out/held_out.jsonl (replacing them), each atomically; with
+    `as_pairs`, the preference pairs as out/train_pairs.jsonl and out/held_out_pairs.jsonl, held
+    out by the same topics."""
+    examples = pairs() if as_pairs else chats()
     order = list(range(len(examples)))
     random.Random(SEED).shuffle(order)
     held_out = set(order[: len(examples) // HELD_OUT_SHARE]) | {
         index for index, example in enumerate(examples)
-        if example["messages"][0]["content"] == question(DEMO_TOPIC)}
+        if (example["prompt"] if as_pairs else example["messages"])[0]["content"] == question(DEMO_TOPIC)}
+    names = ("train_pairs.jsonl", "held_out_pairs.jsonl") if as_pairs else ("train.jsonl", "held_out.jsonl")
+    what = "pairs" if as_pairs else "chats"
     try:
         out.mkdir(parents=True, exist_ok=True)
-        for name, keep in (("train.jsonl", lambda i: i not in held_out), ("held_out.jsonl", lambda i: i in held_out)):
+        for name, keep in ((names[0], lambda i: i not in held_out), (names[1], lambda i: i in held_out)):
             lines = [json.dumps(example) + "\n" for index, example in enumerate(examples) if keep(index)]
             content = "".join(lines).encode("utf-8")
             atomic_write(out / name, lambda handle, content=content: handle.write(content))
-            print(f"wrote {out / name}: {len(lines)} chats")
+            print(f"wrote {out / name}: {len(lines)} {what}")
     except OSError as error:
         raise PymlError(f"{out}: cannot write the example chats: {os_error(error)}") from None
 
 
 def main(arguments: list[str]) -> int:
-    if len(arguments) != 1:
-        print("usage: python -m pyml.train.example_chats OUT_DIR", file=sys.stderr)
+    as_pairs = arguments[1:] == ["--pairs"]
+    if len(arguments) != 1 and not as_pairs:
+        print("usage: python -m pyml.train.example_chats OUT_DIR [--pairs]", file=sys.stderr)
         return 2
     try:
-        write(Path(arguments[0]))
+        write(Path(arguments[0]), as_pairs)
     except PymlError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

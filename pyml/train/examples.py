@@ -117,14 +117,7 @@ def example_files(data: Path) -> list[Path]:
 def read_records(path: Path) -> list[Record]:
     """The examples of one .jsonl or .json file, each checked for its shape; every one has the
     same shape, and each is named by its file and the line it starts on."""
-    try:
-        text = path.read_text(encoding="utf-8-sig")  # -sig: without the byte-order mark Notepad writes
-    except UnicodeDecodeError as error:
-        raise PymlError(f"{path}: not UTF-8 text (byte {error.start})") from None
-    except OSError as error:
-        raise PymlError(f"{path}: cannot read: {error.strerror}") from None
-    values = json_file_values(text, path) if path.suffix.lower() == ".json" else json_lines_values(text, path)
-    records = [Record(where, shape_of(value, where), value) for where, value in values]
+    records = [Record(where, shape_of(value, where), value) for where, value in read_values(path)]
     if not records:
         raise PymlError(f"{path}: holds no examples")
     first = records[0]
@@ -133,6 +126,18 @@ def read_records(path: Path) -> list[Record]:
             raise PymlError(f"{record.where}: a {record.shape} example in a file of {first.shape} "
                             f"examples ({first.where}): one shape per file")
     return records
+
+
+def read_values(path: Path) -> list[tuple[str, object]]:
+    """(file:line, value) of each JSON value of a .jsonl or .json file (`pyml.train.preference`
+    reads its pairs with it too)."""
+    try:
+        text = path.read_text(encoding="utf-8-sig")  # -sig: without the byte-order mark Notepad writes
+    except UnicodeDecodeError as error:
+        raise PymlError(f"{path}: not UTF-8 text (byte {error.start})") from None
+    except OSError as error:
+        raise PymlError(f"{path}: cannot read: {error.strerror}") from None
+    return json_file_values(text, path) if path.suffix.lower() == ".json" else json_lines_values(text, path)
 
 
 def json_lines_values(text: str, path: Path) -> list[tuple[str, object]]:

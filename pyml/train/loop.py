@@ -33,6 +33,7 @@ from pyml.train.distributed import SingleProcess
 from pyml.train.evaluation import describe_evaluation, evaluate
 from pyml.train.loss_curve import LOSS_CURVE_FILE, write_loss_curve
 from pyml.train.metrics import Metrics
+from pyml.train.preference import PairRows, evaluate_pairs
 from pyml.train.schedule import learning_rate
 
 # More passes over the training rows than this and a run is told it will likely memorise them:
@@ -74,6 +75,7 @@ def run_training(
     progress: bool = True,
     group=None,
     model_files: dict[str, bytes] | None = None,
+    objective=None,
 ) -> TrainingResult:
     """Train `model` (a `package.Model`) on (inputs, targets) rows until step `config.steps`,
     evaluating (first before step 1, the baseline), checkpointing into `out` and writing
@@ -82,7 +84,8 @@ def run_training(
     it; a non-finite loss raises PymlError and keeps the last checkpoint. `group` (default: one
     process) splits each batch across ranks; only its root writes files and shows progress. Each
     checkpoint is a model folder holding `model_files` (`model_folder.folder_files`) beside the
-    weights."""
+    weights. With a preference `objective` (`pyml.train.preference.Objective`) the rows are pairs
+    (`PairRows.arrays()`), and each step and evaluation reports TRL's reward metrics too."""
     out = Path(out)
     group = group or SingleProcess()
     slices = config.accumulate or 1  # gradient accumulation: --batch rows at a time
@@ -132,7 +135,8 @@ def run_training(
             write_loss_curve(out / LOSS_CURVE_FILE, train_losses, evaluations, config)
         return saved
 
-    examples_per_step = config.batch * slices * (config.seq or 1)
+    # a pair is two sequences of --seq places: its chosen and its rejected answer
+    examples_per_step = config.batch * slices * (config.seq or 1) * (1 if objective is None else 2)
     unit = "tok/s" if config.seq else "examples/s"
     # The first step of a run also compiles the kernels and allocates the buffers: the rate
     # shown leaves it out once there are others.
@@ -143,18 +147,30 @@ def run_training(
         stop_requested_by_ctrl_c(bar) as stop,
         closing(metrics) if metrics is not None else nullcontext(),
     ):
+        def held_out_evaluation() -> dict:
+            if objective is None:
+                return evaluate(model, held_out_pairs, config)
+            return evaluate_pairs(model.target_log_probs, PairRows(*held_out_pairs), objective, config.batch)
+
         if step == 0 and group.is_root:
-            baseline = {"step": 0, **evaluate(model, held_out_pairs, config)}
+            baseline = {"step": 0, **held_out_evaluation()}
             evaluations.append(baseline)
             metrics.evaluation(baseline)
             bar.write(describe_evaluation(baseline))
         while step < config.steps:
-            inputs, targets, *packed = batches.next_batch()  # packed: JSONL rows' positions
+            rows = batches.next_batch()
             optimizer.lr = learning_rate(config, step + 1)
             started = time.perf_counter()
+            pair_metrics = {}
             try:
-                loss = group.train_step(package, model, optimizer, inputs, targets, stop, slices,
-                                        packed[0] if packed else None)
+                if objective is None:
+                    inputs, targets, *packed = rows  # packed: JSONL rows' positions
+                    loss = group.train_step(package, model, optimizer, inputs, targets, stop, slices,
+                                            packed[0] if packed else None)
+                else:
+                    preference = group.preference_step(model, optimizer, PairRows(*rows), objective, stop,
+                                                       slices)
+                    loss, pair_metrics = preference.loss, preference.metrics()
             except PymlError as error:
                 if group.is_root:
                     write_loss_curve(out / LOSS_CURVE_FILE, train_losses, evaluations, config)
@@ -170,16 +186,18 @@ def run_training(
             else:
                 seconds_timed, steps_timed = seconds_timed + seconds, steps_timed + 1
                 rate = examples_per_step * steps_timed / seconds_timed
-            bar.set_postfix_str(f"loss {loss:.4f}, {rate:,.0f} {unit}", refresh=False)
+            accuracy = (f", reward accuracy {pair_metrics['rewards/accuracies']:.2f}"
+                        if pair_metrics else "")
+            bar.set_postfix_str(f"loss {loss:.4f}{accuracy}, {rate:,.0f} {unit}", refresh=False)
             bar.update()
             if group.is_root:
                 metrics.step(step, loss, optimizer.lr, optimizer.grad_norm, rate,
-                             "tokens_per_s" if config.seq else "examples_per_s")
+                             "tokens_per_s" if config.seq else "examples_per_s", pair_metrics)
             if stop.requested:
                 checkpoint = save()
                 return TrainingResult(step, train_losses, evaluations, checkpoint, stop.signum)
             if group.is_root and (step % config.eval_every == 0 or step == config.steps):
-                evaluation = {"step": step, **evaluate(model, held_out_pairs, config)}
+                evaluation = {"step": step, **held_out_evaluation()}
                 evaluations.append(evaluation)
                 metrics.evaluation(evaluation)
                 bar.write(describe_evaluation(evaluation))

@@ -79,8 +79,10 @@ class Metrics:
         if self.events is not None:
             self.events.close()
 
-    def step(self, step: int, loss: float, lr: float, grad_norm: float | None, rate: float, unit: str) -> None:
-        self.write({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, unit: rate})
+    def step(self, step: int, loss: float, lr: float, grad_norm: float | None, rate: float, unit: str,
+             more: dict | None = None) -> None:
+        """A step's line; `more`: a preference step's metrics (rewards/chosen, ..., TRL's names)."""
+        self.write({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, unit: rate, **(more or {})})
 
     def evaluation(self, evaluation: dict) -> None:
         self.write({"step": evaluation["step"], **{f"held_out_{name}": value for name, value in

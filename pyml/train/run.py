@@ -37,6 +37,8 @@ from pyml.train.config import (
     FIXED_ON_RESUME,
     FORM_DEFAULTS,
     LORA_LR,
+    PREFERENCE_LORA_LR,
+    PREFERENCE_LR,
     TrainingConfig,
     check_config,
     with_steps_for_epochs,
@@ -48,6 +50,7 @@ from pyml.train.data import (
 )
 from pyml.train.folder_data import FolderTokens
 from pyml.train.loop import TrainingResult, describe_result, run_training
+from pyml.train.preference import DEFAULT_BETA
 from pyml.train.lora import LORA_FLAGS, adapter_files, base_weights_digest, lora_settings, lora_spec
 
 
@@ -86,6 +89,9 @@ def train(
     epochs: float | None = None,
     keep: int | None = None,
     recompute: bool | None = None,
+    method: str | None = None,
+    beta: float | None = None,
+    loss_type: str | None = None,
 ) -> TrainingResult:
     """Train the generated package of the spec at `spec_path` (default: the `init` folder's
     spec.toml, or when resuming the checkpoint's); options left as None take the checkpoint's
@@ -93,7 +99,8 @@ def train(
     `epochs` (as transformers' max_steps overrides num_train_epochs). Prints a summary at the end. `group` is this process's part in data-parallel
     training (`pyml.train.distributed`). `lora_rank` (with `lora_alpha` and `lora_targets`)
     trains LoRA adapters instead (see above). `recompute` trades time for a decoder's activation
-    memory (`DecoderModel.recompute`)."""
+    memory (`DecoderModel.recompute`). `method` dpo or orpo trains on preference pairs
+    (`pyml.train.preference`) with its `beta` and DPO's `loss_type`."""
     from pyml.packages import spec_file
     from pyml.spec import SequentialModel, load_spec
 
@@ -125,6 +132,7 @@ def train(
         "eval_data": None if eval_data is None else str(eval_data), "accumulate": accumulate,
         "schedule": schedule, "warmup_steps": warmup_steps, "min_lr": min_lr, "log": log,
         "packing": packing, "epochs": epochs, "keep": keep, "recompute": recompute,
+        "method": method, "beta": beta, "loss_type": loss_type,
     }  # fmt: skip
     if resume:
         for name in FIXED_ON_RESUME:
@@ -144,6 +152,14 @@ def train(
         lora = new_lora(given_lora, form)
         if lora is not None:
             base["lr"] = LORA_LR
+        if method in ("dpo", "orpo"):
+            for name, flag in (("train_on", "--train-on"), ("long_examples", "--long-examples"),
+                               ("packing", "--packing/--no-packing")):
+                if given[name] is not None:
+                    raise PymlError(f"{flag} shapes SFT examples; --method {method} trains on pairs "
+                                    "(one sequence a row, a pair longer than --seq skipped): leave it out")
+            base |= {"lr": PREFERENCE_LR if lora is None else PREFERENCE_LORA_LR, "beta": DEFAULT_BETA,
+                     "loss_type": "sigmoid" if method == "dpo" else None}
     values = {**base, **{name: value for name, value in given.items() if value is not None},
               "lora": lora}
     if steps is not None:  # --steps overrides --epochs, as max_steps overrides num_train_epochs
@@ -161,6 +177,9 @@ def train(
         **{field.name: values.get(field.name) for field in dataclasses.fields(TrainingConfig)}
     )
     check_config(config)
+    objective = config.objective()
+    if objective is not None and form == "sequential":
+        raise PymlError(f"--method {config.method} tunes a decoder on answer pairs; this spec is a sequential model")
     if config.recompute and form == "sequential":
         raise PymlError("--recompute runs a decoder's blocks again in the backward; "
                         "a sequential model has none: leave it out")
@@ -195,6 +214,9 @@ def train(
     # option (--seq) that only does not fit the spec
     if form == "sequential":
         train_pairs, held_out_pairs = digits_pairs(config, package)
+    elif objective is not None:
+        train_pairs, held_out_pairs = preference_pairs(config, package, model, objective, out, resume,
+                                                       group is None or group.is_root)
     else:
         train_pairs, held_out_pairs = text_pairs(config, package)
     if config.steps is None:
@@ -203,7 +225,7 @@ def train(
               f"{config.batch * (config.accumulate or 1)} rows a step)")
     result = run_training(
         package, model, train_pairs, held_out_pairs, config, out, resume, progress, group,
-        model_files,
+        model_files, objective,
     )
     print(describe_result(result, out))
     return result
@@ -211,7 +233,7 @@ def train(
 
 def check_activation_memory(spec, config: TrainingConfig, ranks: int, say: bool) -> None:
     """Say (where `say`) what the activations of a decoder's training step hold at the run's rows
-    (each rank's share of --batch), --seq and --dtype, with and without --recompute
+    (each rank's share of --batch, two a pair), --seq and --dtype, with and without --recompute
     (`schedule.training_memory`), and refuse a CPU run whose activations do not fit the memory
     left once the weights are loaded, before they are allocated."""
     from pyml.codegen.emit import binary_size
@@ -221,7 +243,8 @@ def check_activation_memory(spec, config: TrainingConfig, ranks: int, say: bool)
 
     graph = lower(spec)
     layout = plan_layout(graph)
-    rows = -(-config.batch // ranks)
+    # a preference pair is two rows: its chosen and its rejected sequence
+    rows = -(-config.batch // ranks) * (1 if config.objective() is None else 2)
     kept, recomputed = (training_memory(graph, layout, rows, config.seq, np.dtype(config.dtype).itemsize,
                                         recompute)["activations"] for recompute in (False, True))
     if config.recompute:
@@ -375,3 +398,74 @@ def example_pairs(config: TrainingConfig, tokens: FolderTokens):
     )
     return ((train_rows.inputs, train_rows.targets, train_rows.positions),
             (held_out_rows.inputs, held_out_rows.targets, held_out_rows.positions))
+
+
+def preference_pairs(config: TrainingConfig, package: ModuleType, model, objective, out: Path,
+                     resume: bool, is_root: bool):
+    """Train and held-out pairs of --data (`pyml.train.preference`), as aligned arrays for the
+    loop, held out by pair or from --eval-data; for DPO with the reference log-probabilities of
+    the model as it is before the first step, computed now and kept in the run folder
+    (`REFERENCE_FILE`, by the root rank: every rank computes the same), or on a resume read from
+    there."""
+    from pyml.train.preference import REFERENCE_FILE, load_pairs, pair_rows, with_reference
+
+    spec_model = package.model
+    if config.init is None or config.data is None or not examples.is_examples(Path(config.data)):
+        raise PymlError(f"--method {config.method} trains on preference pairs: give --init (a model folder) "
+                        "and --data, a .jsonl or .json file of {\"prompt\", \"chosen\", \"rejected\"}")
+    if config.seq > spec_model.MAX_SEQ_LEN:
+        raise PymlError(f"--seq {config.seq} exceeds spec '{config.spec}''s max_seq_len {spec_model.MAX_SEQ_LEN}")
+    tokens = FolderTokens(Path(config.init), spec_model.VOCAB, config.spec)
+    train, skips = load_pairs(Path(config.data), tokens)
+    if config.eval_data is not None:
+        held_out, held_out_skips = load_pairs(Path(config.eval_data), tokens)
+        skips += held_out_skips
+    else:
+        train, held_out = examples.split_examples(train, 0.1, config.seed)
+    (train_rows, too_long), (held_out_rows, held_out_too_long) = (
+        pair_rows(chosen, config.seq, tokens.pad_id) for chosen in (train, held_out))
+    for rows, where in ((train_rows, config.data), (held_out_rows, config.eval_data or config.data)):
+        if not rows.pairs:
+            raise PymlError(f"{where}: no pair fits --seq {config.seq} (prompt and longer answer): "
+                            "use a longer --seq")
+    if is_root:
+        print(f"data: {config.data}: {train_rows.pairs} train pairs, {held_out_rows.pairs} held out; "
+              f"{skips.describe(too_long + held_out_too_long)}")
+    if objective.uses_reference:
+        reference_path = out / REFERENCE_FILE
+        if resume:
+            train_rows, held_out_rows = read_reference(reference_path, train_rows, held_out_rows)
+        else:
+            score = model.target_log_probs
+            train_rows, held_out_rows = (with_reference(rows, score, config.batch)
+                                         for rows in (train_rows, held_out_rows))
+            if is_root:
+                write_reference(reference_path, train_rows, held_out_rows)
+    return train_rows.arrays(), held_out_rows.arrays()
+
+
+def write_reference(path: Path, train_rows, held_out_rows) -> None:
+    import io
+
+    from pyml.outputs import write_bytes
+
+    buffer = io.BytesIO()
+    np.savez(buffer, train_chosen=train_rows.reference_chosen, train_rejected=train_rows.reference_rejected,
+             held_out_chosen=held_out_rows.reference_chosen, held_out_rejected=held_out_rows.reference_rejected)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_bytes(path, buffer.getvalue())
+
+
+def read_reference(path: Path, train_rows, held_out_rows):
+    """The rows with the reference log-probabilities the run computed before its first step."""
+    if not path.is_file():
+        raise PymlError(f"{path}: missing; a DPO run keeps its reference log-probabilities there, and "
+                        "a resume needs them (start a new --out)")
+    with np.load(path) as stored:
+        values = {name: stored[name] for name in stored.files}
+    if (len(values["train_chosen"]), len(values["held_out_chosen"])) != (train_rows.pairs, held_out_rows.pairs):
+        raise PymlError(f"{path}: holds the reference of other pairs than --data's; resume on the same data")
+    return (dataclasses.replace(train_rows, reference_chosen=values["train_chosen"],
+                                reference_rejected=values["train_rejected"]),
+            dataclasses.replace(held_out_rows, reference_chosen=values["held_out_chosen"],
+                                reference_rejected=values["held_out_rejected"]))

@@ -274,6 +274,22 @@ def test_cross_entropy(cpu, gpu, dtype, in_place):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_weighted_cross_entropy_and_target_log_probs(cpu, gpu, dtype):
+    """A preference loss's kernels: row weights in place of the mean's, and each target's
+    log-probability (float64 whatever the logits' dtype)."""
+    rng = np.random.default_rng(9)
+    logits = rand(rng, dtype, 4, C) * 3
+    targets = np.array([3, -100, 0, C - 1], np.int64)
+    weights = rng.standard_normal(4)
+    host, dev, _ = run_both(lambda *a: cpu.ce_forward_backward(*a[:3], token_weights=a[3]),
+                            lambda *a: gpu.ce_forward_backward(*a[:3], token_weights=a[3]),
+                            logits, targets, np.zeros_like(logits), weights)
+    same(host, dev)
+    host, dev, _ = run_both(cpu.target_log_probs, gpu.target_log_probs, logits, targets, np.full(4, np.nan))
+    same(host, dev)
+    assert host[2][1] == 0.0 and np.isfinite(host[2]).all()
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_adamw(cpu, gpu, dtype):
     rng = np.random.default_rng(8)
     params, grads = rand(rng, dtype, 300), rand(rng, dtype, 300)

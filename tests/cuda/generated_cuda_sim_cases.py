@@ -42,6 +42,26 @@ def test_llama_tiny_logits_loss_gradients_and_decoding():
     np.testing.assert_allclose(gpu.decode(gpu_cache, ids[:, 2]), cpu.decode(cpu_cache, ids[:, 2]), **TOL)
 
 
+def test_llama_tiny_dpo_step_on_the_device_is_the_cpus():
+    """A preference step's device path: the targets' log-probabilities, the token weights copied
+    to the device, the weighted backward."""
+    from pyml.train.preference import Objective, Pair, pair_rows, preference_loss_and_grads, with_reference
+
+    gpu, cpu = pair(llama)
+    rng = np.random.default_rng(1)
+    pairs = [Pair(f"pair {i}", rng.integers(0, llama.model.VOCAB, 2).tolist(),
+                  rng.integers(0, llama.model.VOCAB, 2).tolist(), rng.integers(0, llama.model.VOCAB, 1).tolist())
+             for i in range(2)]
+    rows, _ = pair_rows(pairs, 3, 0)
+    rows = with_reference(rows, cpu.target_log_probs, 2)
+    cpu.params.flat[:] += 0.01  # away from the reference, so that the weights are not all equal
+    gpu.device.to_device(cpu.params.flat, gpu.params.flat)
+    np.testing.assert_allclose(gpu.target_log_probs(rows.chosen_inputs, rows.chosen_targets),
+                               cpu.target_log_probs(rows.chosen_inputs, rows.chosen_targets), **TOL)
+    on_gpu, on_cpu = (preference_loss_and_grads(model, rows, Objective("dpo")) for model in (gpu, cpu))
+    assert on_gpu.loss == pytest.approx(on_cpu.loss, rel=1e-12)
+    np.testing.assert_allclose(host(gpu, gpu.grads.flat), cpu.grads.flat, **TOL)
+
 def test_llama_tiny_recomputed_gradients_are_the_kept_ones():
     """`recompute` (pyml train --recompute) on the device: the backward runs each block again into
     the one slot of saved activations, and the loss and gradients are bit for bit the kept ones'."""

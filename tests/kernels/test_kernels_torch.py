@@ -654,6 +654,35 @@ def test_cross_entropy(k, dtype, n, in_place):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", ROWS + [130])
+def test_weighted_cross_entropy_and_target_log_probs(k, dtype, n):
+    """A preference loss's backward: each row's cross-entropy gradient times its own weight
+    (token_weights), the gradient of sum_n w_n CE_n; and each target's log-probability, which is
+    what the weights are computed from."""
+    rng = np.random.default_rng(n)
+    logits = rand(rng, (n, C), dtype, 5.0)
+    targets = rng.integers(0, C, n).astype(np.int64)
+    if n > 1:
+        targets[::3] = -100
+    weights = rng.normal(0.0, 1.0, n)
+    tl = t(logits, True)
+    row_losses = F.cross_entropy(tl, torch.tensor(targets), ignore_index=-100, reduction="none")
+    (row_losses * torch.tensor(weights, dtype=tl.dtype)).sum().backward()
+    log_probs = np.full(n, np.nan)
+    k.target_log_probs(logits, targets, log_probs)
+    close(log_probs, -row_losses.detach(), dtype, "cross_entropy")
+    assert (log_probs[targets == -100] == 0).all()
+    dlogits = np.full_like(logits, np.nan)
+    k.ce_forward_backward(logits, targets, dlogits, token_weights=weights)
+    close(dlogits, tl.grad, dtype, "cross_entropy")
+    # the weights 1 / n_valid are the mean's, bit for bit
+    uniform = np.full_like(logits, np.nan)
+    k.ce_forward_backward(logits, targets, uniform, token_weights=np.full(n, 1.0 / max(1, (targets != -100).sum())))
+    mean = np.full_like(logits, np.nan)
+    k.ce_forward_backward(logits, targets, mean)
+    np.testing.assert_array_equal(uniform, mean)
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("lr", "weight_decay"), [(1e-3, 0.0), (3e-2, 0.1), (0.5, 0.01)])
 def test_adamw(k, dtype, lr, weight_decay):
     rng = np.random.default_rng(1)

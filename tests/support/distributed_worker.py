@@ -61,7 +61,26 @@ def decoder_pairs():
     return (train_inputs, train_targets, positions), held_out
 
 
-def training_data(run):
+def preference_data(run, model):
+    """Preference pairs of random llama_tiny ids (run["method"]: dpo or orpo), 10 to train on and 4
+    held out; for DPO with `model`'s log-probabilities as the reference (the model before step 1)."""
+    from pyml.train.preference import Pair, pair_rows, with_reference
+
+    rng = np.random.default_rng(4)
+    vocab = project_package("llama_tiny").model.VOCAB
+
+    def ids(low, high):
+        return rng.integers(0, vocab, rng.integers(low, high)).tolist()
+
+    rows, _ = pair_rows([Pair(f"pair {index}", ids(3, 8), ids(2, 6), ids(2, 6)) for index in range(14)], SEQ, 0)
+    if run["method"] == "dpo":
+        rows = with_reference(rows, model.target_log_probs, 4)
+    return rows.take(range(10)).arrays(), rows.take(range(10, 14)).arrays()
+
+
+def training_data(run, model=None):
+    if run.get("method"):
+        return preference_data(run, model)
     if run["model"] == "llama_tiny":
         return decoder_pairs()
     return load_digits_split(seed=0)
@@ -74,7 +93,8 @@ def config(run) -> TrainingConfig:
         lr=3e-3 if decoder else 1e-3, weight_decay=0.01, max_grad_norm=1.0 if decoder else 0.1,
         eval_every=run.get("eval_every", 5), eval_batches=2,
         checkpoint_every=run.get("checkpoint_every", 5), seed=0, dtype="float64", device="cpu",
-        lora=run.get("lora"), accumulate=run.get("accumulate", 1),
+        lora=run.get("lora"), accumulate=run.get("accumulate", 1), method=run.get("method", "sft"),
+        beta=0.1 if run.get("method") else None, loss_type="sigmoid" if run.get("method") == "dpo" else None,
     )  # fmt: skip
 
 
@@ -158,9 +178,10 @@ def train_run(run, group, rank: int):
     package, model = make_model(run, rank)
     gradient_exchange.PIECE_ELEMENTS = run.get("piece_elements", PIECE_ELEMENTS)
     gradient_exchange.STAGING_SLOTS = run.get("staging_slots", STAGING_SLOTS)
-    train_pairs, held_out_pairs = training_data(run)
+    train_pairs, held_out_pairs = training_data(run, model)
     result = run_training(package, model, train_pairs, held_out_pairs, config(run), Path(run["out"]),
-                          resume=run.get("resume", False), progress=False, group=group)  # fmt: skip
+                          resume=run.get("resume", False), progress=False, group=group,
+                          objective=config(run).objective())  # fmt: skip
     if group.is_root:
         out = Path(run["out"])
         np.save(out / "result.npy", model.params.flat)

@@ -57,9 +57,9 @@ def result(run: dict) -> tuple[dict, np.ndarray]:
 def one_rank(run: dict, out: Path, resume: bool = False):
     """The run in this process, without MPI: `pyml train`'s path with one rank."""
     package, model = worker.make_model(run, rank=0)
-    train_pairs, held_out_pairs = worker.training_data(run)
+    train_pairs, held_out_pairs = worker.training_data(run, model)
     trained = run_training(package, model, train_pairs, held_out_pairs, worker.config(run), out,
-                           resume=resume, progress=False)  # fmt: skip
+                           resume=resume, progress=False, objective=worker.config(run).objective())  # fmt: skip
     return {"losses": trained.train_losses, "evaluations": trained.evaluations}, model.params.flat
 
 
@@ -155,6 +155,34 @@ def test_two_ranks_train_as_one_rank(two_ranks, references, name, reference):
     assert_close([e["loss"] for e in ours["evaluations"]], [e["loss"] for e in theirs["evaluations"]])
     assert_close(weights, reference_weights)
     assert not np.array_equal(weights, worker.make_model(runs[name], 0)[1].params.flat)  # it trained
+
+
+@pytest.fixture(scope="module")
+def preference_ranks(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("preference_ranks")
+    runs = {
+        "dpo": run(folder, "dpo", method="dpo", **DECODER),  # 3 pairs: 1 and 2 per rank
+        # 3 pairs a step in 3 slices of 1, ORPO's cross-entropy the mean over all the chosen tokens
+        "orpo_accumulated": run(folder, "orpo_accumulated", method="orpo", accumulate=3, shard=True,
+                                **{**DECODER, "batch": 1}),
+    }
+    job = mpiexec(2, {"runs": list(runs.values())}, folder)
+    assert job.returncode == 0, job.stderr
+    return runs
+
+
+@pytest.mark.parametrize("name, reference", [("dpo", None), ("orpo_accumulated", {"accumulate": 1, "batch": 3})])
+def test_preference_pairs_on_two_ranks_train_as_one_rank(preference_ranks, tmp_path, name, reference):
+    """DPO's and ORPO's step on two ranks (each its share of the pairs, weighted for the whole
+    batch) is one rank's; ORPO's accumulated over 3 slices is one rank's unaccumulated step."""
+    ours, weights = result(preference_ranks[name])
+    theirs, reference_weights = one_rank({**preference_ranks[name], **(reference or {})}, tmp_path / name)
+    assert len(ours["losses"]) == 10
+    assert_close(ours["losses"], theirs["losses"])
+    for metric in ("loss", "rewards/accuracies", "rewards/margins", "logps/chosen"):
+        assert_close([e[metric] for e in ours["evaluations"]], [e[metric] for e in theirs["evaluations"]])
+    assert_close(weights, reference_weights)
+    assert not np.array_equal(weights, worker.make_model(preference_ranks[name], 0)[1].params.flat)
 
 
 def test_two_runs_with_two_ranks_are_bit_identical(two_ranks):

@@ -1,5 +1,7 @@
 """loss: softmax cross-entropy of the logits against the targets (targets of -100 ignored, as
-torch's), averaged; one kernel writes the loss and d loss / d logits over the logits."""
+torch's), averaged; one kernel writes the loss and d loss / d logits over the logits. A weighted
+loss (a preference loss: `DecoderModel.loss_and_grads(token_weights=...)`) sets
+`s.token_weights`, each row's weight in place of the mean's 1 / n."""
 
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ class Loss(Kind):
     def adjoint(self, op: Op, env: BackwardEnv) -> list[Statement]:
         env.mode(op.inputs[0])  # the logits' gradient is written here
         logits = op.inputs[0]
-        call = self.call(op, env, "forward_backward", Act(logits), Code("s.targets"), Grad(logits))
+        call = self.call(op, env, "forward_backward", Act(logits), Code("s.targets"), Grad(logits),
+                         Code("s.token_weights"))
         return [Call(call.fn, call.args, ("loss",))]
 
 

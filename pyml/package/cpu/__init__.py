@@ -50,7 +50,7 @@ from pyml.package.cpu.linear import (
     linear_bias_forward,
     linear_forward,
 )
-from pyml.package.cpu.loss import loss_forward, loss_forward_backward
+from pyml.package.cpu.loss import loss_forward, loss_forward_backward, target_log_probs
 from pyml.package.cpu.rmsnorm import (
     rmsnorm_backward,
     rmsnorm_backward_add,
@@ -108,6 +108,7 @@ __all__ = [
     "linear_forward",
     "loss_forward",
     "loss_forward_backward",
+    "target_log_probs",
     "rmsnorm_backward",
     "rmsnorm_backward_add",
     "rmsnorm_forward",

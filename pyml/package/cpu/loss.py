@@ -1,6 +1,12 @@
 """loss: softmax cross-entropy, mean over non-ignored rows of logsumexp(logits[n]) -
 logits[n, targets[n]]; targets of -100 are ignored (Hugging Face's convention). No Lean law
-(non-linear): numerics checked against PyTorch and finite differences."""
+(non-linear): numerics checked against PyTorch and finite differences.
+
+A preference loss (DPO, ORPO: `pyml.train.preference`) is a function of the sequences'
+log-probabilities, which are sums of the rows' -cross-entropy; its gradient with respect to the
+logits is then each row's cross-entropy gradient times a weight of its own, d loss / d CE_n. So
+the one kernel takes optional row weights (`token_weights`) in place of the mean's 1 / n_valid,
+and `target_log_probs` gives the per-row log-probabilities those weights are computed from."""
 
 import math
 
@@ -40,11 +46,12 @@ def scratch(n_rows, n_classes, dtype, with_exps):
 
 
 @njit(cache=True, parallel=True)
-def loss_sum_kernel(logits, targets, exps, lanes, inv_n_valid, write_grad):
+def loss_sum_kernel(logits, targets, exps, lanes, row_weights, write_grad):
     # logits is (N, classes); exps is (N, classes) and may be logits itself: per row it receives
     # exp(logits - row max), each row's sum taken in float64. With write_grad, exps becomes
-    # dlogits = (softmax - onehot) / n_valid in place, zeros on ignored rows. lanes is (N, MAX_LANES)
-    # scratch. Returns the float64 sum of the row losses logsumexp - target logit.
+    # dlogits = (softmax - onehot) * row_weights[n] in place (row_weights (N,) float64: 1 / n_valid
+    # for the mean), zeros on ignored rows. lanes is (N, MAX_LANES) scratch. Returns the float64 sum
+    # of the row losses logsumexp - target logit.
     in_place = exps.ctypes.data == logits.ctypes.data
     n_rows, n_classes = logits.shape[0], logits.shape[1]
     partial = np.zeros(CHUNKS)
@@ -69,10 +76,11 @@ def loss_sum_kernel(logits, targets, exps, lanes, inv_n_valid, write_grad):
                     d[c] = exp_vectorizable(x[c] - row_max)
             total = sum_float64(d)
             if write_grad:
-                scale = inv_n_valid / total
+                weight = row_weights[n]
+                scale = weight / total
                 for c in range(n_classes):
                     d[c] *= scale
-                d[target] -= inv_n_valid
+                d[target] -= weight
             partial[chunk] += math.log(total) + np.float64(row_max) - target_logit
     loss_sum = 0.0
     for chunk in range(CHUNKS):
@@ -80,20 +88,58 @@ def loss_sum_kernel(logits, targets, exps, lanes, inv_n_valid, write_grad):
     return loss_sum
 
 
-def loss_forward_backward(logits, targets, dlogits):
+def loss_forward_backward(logits, targets, dlogits, token_weights=None):
     # logits is (N, classes), targets is (N,) int64, dlogits is (N, classes) and may be logits
     # itself. Returns the mean loss (a Python float; nan when every row is ignored, as torch).
-    # dlogits is overwritten: (softmax - onehot) / n_valid, zeros on ignored rows.
+    # dlogits is overwritten: (softmax - onehot) / n_valid, or times token_weights[n] where given
+    # ((N,) float64), zeros on ignored rows.
     n_valid = count_valid(targets, logits.shape[1])
-    inv_n_valid = 1.0 / n_valid if n_valid else 0.0
     _, lanes = scratch(logits.shape[0], logits.shape[1], logits.dtype, False)
-    loss_sum = loss_sum_kernel(logits, targets, dlogits, lanes, inv_n_valid, True)
+    if token_weights is None:
+        token_weights = uniform_weights(logits.shape[0], 1.0 / n_valid if n_valid else 0.0)
+    loss_sum = loss_sum_kernel(logits, targets, dlogits, lanes, token_weights, True)
     return loss_sum / n_valid if n_valid else math.nan
+
+
+def uniform_weights(n_rows, weight):
+    # the mean's row weights, in one (N,) float64 buffer per row count (nothing allocated in the step)
+    key = ("uniform", n_rows)
+    if key not in SCRATCH:
+        SCRATCH[key] = np.empty(n_rows)
+    SCRATCH[key][:] = weight
+    return SCRATCH[key]
 
 
 def loss_forward(logits, targets):
     # the loss alone (held-out evaluation); logits is (N, classes), targets is (N,) int64
     n_valid = count_valid(targets, logits.shape[1])
     exps, lanes = scratch(logits.shape[0], logits.shape[1], logits.dtype, True)
-    loss_sum = loss_sum_kernel(logits, targets, exps, lanes, 0.0, False)
+    loss_sum = loss_sum_kernel(logits, targets, exps, lanes, uniform_weights(logits.shape[0], 0.0), False)
     return loss_sum / n_valid if n_valid else math.nan
+
+
+@njit(cache=True, parallel=True)
+def target_log_probs_kernel(logits, targets, lanes, log_probs):
+    # logits is (N, classes), targets (N,) int64, lanes (N, MAX_LANES) scratch; log_probs (N,)
+    # float64 receives log softmax(logits[n])[targets[n]], 0 on ignored rows. Logits are not written.
+    n_classes = logits.shape[1]
+    for n in prange(logits.shape[0]):
+        target = targets[n]
+        if target == IGNORED_TARGET:
+            log_probs[n] = 0.0
+            continue
+        x = logits[n]
+        row_max = max_value(x, lanes[n])
+        total = 0.0
+        for c in range(n_classes):
+            total += math.exp(np.float64(x[c]) - np.float64(row_max))
+        log_probs[n] = np.float64(x[target]) - np.float64(row_max) - math.log(total)
+
+
+def target_log_probs(logits, targets, log_probs):
+    # log_probs (N,) float64 := each row's log-probability of its target (0 where ignored): the
+    # terms a sequence's log-probability sums, read from the forward's logits before the loss
+    # overwrites them with their gradient
+    count_valid(targets, logits.shape[1])
+    _, lanes = scratch(logits.shape[0], logits.shape[1], logits.dtype, False)
+    target_log_probs_kernel(logits, targets, lanes, log_probs)

@@ -40,7 +40,7 @@ from pyml.package.cuda.linear import (
     linear_bias_forward,
     linear_forward,
 )
-from pyml.package.cuda.loss import loss_forward, loss_forward_backward
+from pyml.package.cuda.loss import loss_forward, loss_forward_backward, target_log_probs
 from pyml.package.cuda.rmsnorm import (
     rmsnorm_backward,
     rmsnorm_backward_add,
@@ -84,6 +84,7 @@ __all__ = [
     "linear_forward",
     "loss_forward",
     "loss_forward_backward",
+    "target_log_probs",
     "rmsnorm_backward",
     "rmsnorm_backward_add",
     "rmsnorm_forward",
