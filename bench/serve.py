@@ -217,7 +217,7 @@ def generate_rate(model: Path, max_tokens: int) -> float:
     run = subprocess.run([sys.executable, "-m", "pyml.cli", "generate", "--model", str(model), "--prompt",
                           "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "--max-new-tokens", str(max_tokens)],
                          capture_output=True, text=True, check=True)
-    return float(run.stdout.split("decode: ")[1].split(" tokens at ")[1].split(" ")[0])
+    return float(run.stderr.split("decode: ")[1].split(" tokens at ")[1].split(" ")[0])
 
 
 def features(name: str, command: list[str], url: str, model: Path) -> dict:
