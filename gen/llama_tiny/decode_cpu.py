@@ -168,7 +168,7 @@ def decode_step(
         unit_offset=False,
     )
     use_pool_threads(threads)
-    linear_stored(lm_head_weight, 0, final_norm_out[:n_logits], logits[:n_logits])
+    linear_stored(lm_head_weight, np.int64(0), final_norm_out[:n_logits], logits[:n_logits])
     use_pool_threads(1)
     use_pool_threads(threads)
 

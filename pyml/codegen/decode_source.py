@@ -138,7 +138,10 @@ class FusedStep:
         weight_param = graph_param(self.graph, op.params["weight"])
         self.linears.append((op.prefix, op.params["weight"], bias, weight_param.tensors))
         weight = StepInput(f"{op.prefix}_weight", f'weights["{op.prefix}"]')
-        layer = Code("l" if weight_param.per_layer else "0")
+        # a model-level weight (the tied head) is layer 0 as an int64, not a literal 0: a literal
+        # would compile a second `linear_stored` into every step (about 17 s here)
+        model_level = "np.int64(0)" if self.target == "cpu" else "0"
+        layer = Code("l" if weight_param.per_layer else model_level)
         linear_map = "linear_stored" if self.target == "cpu" else "linear_row"
         statements = self.in_parallel(Call(linear_map, (weight, layer, Act(op.inputs[0]),
                                                           Act(op.outputs[0]))))
