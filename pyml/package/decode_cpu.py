@@ -42,9 +42,9 @@ matVec W v, W the block dequantization of the stored values).
 
 Numba's cache does not notice when a function a cached kernel calls changes in another file, so the
 generated decode modules carry this module's and quantized_dot's hash in their first line (as for
-vector_math). For the same reason `linear_stored` and `embedding_stored`, which call
-quantized_dot's intrinsics, are not cached themselves: they are compiled into each generated step,
-whose cache that hash keeps fresh.
+vector_math), and this module's own cached kernels, which call quantized_dot's intrinsics, are
+stamped with a digest of the whole package (pyml/package/numba_cache.py). `linear_stored` compiles
+in about 17 s here: cached, a process that compiles a new model's step links it instead.
 """
 
 import numpy as np
@@ -142,7 +142,7 @@ def use_pool_threads(typingctx, count):
     return types.none(count), codegen
 
 
-@njit(parallel=True, fastmath=FAST)
+@njit(cache=True, parallel=True, fastmath=FAST)
 def linear_stored(weight, layer, x, y):
     """y[b] = W x[b] for each row b, W layer `layer` of `weight` in the stored form (kinds,
     addresses, layer_kinds; the module's docstring); x is (B, in), y (B, out), float32 (ROW_F64
@@ -233,7 +233,7 @@ def linear_stored(weight, layer, x, y):
     low_rank_add(weight[3], weight[4], layer, x, y)
 
 
-@njit(parallel=True)
+@njit(cache=True, parallel=True)
 def low_rank_add(down, up, layer, x, y):
     """y[b] += up[layer] (down[layer] x[b]) for each row b: a LoRA adapter's update of the linear
     map, its B (times alpha / r) as `up` (layers, rows, R) and its A as `down` (layers, R, in),
@@ -258,7 +258,7 @@ def low_rank_add(down, up, layer, x, y):
             y[b, row] += total
 
 
-@njit(fastmath=FAST)
+@njit(cache=True, fastmath=FAST)
 def float64_row_products(address, x, row, y):
     """y[b, row] = the ROW_F64 row at `address` times x[b], for every row b (scalar code: only the
     float64 models of the exact tests have such rows)."""
@@ -269,7 +269,7 @@ def float64_row_products(address, x, row, y):
         y[b, row] = total
 
 
-@njit(parallel=True)
+@njit(cache=True, parallel=True)
 def embedding_stored(weight, ids, out, scale):
     """out[n] = row ids[n] of layer 0 of `weight` (the stored form), dequantized, times `scale`:
     ids (N,) int64, out (N, dim) C-contiguous, float32 or float64 (ROW_F64 rows: float64), scale in
@@ -293,7 +293,7 @@ def embedding_stored(weight, ids, out, scale):
                 out[n, d] *= scale
 
 
-@njit(parallel=True)
+@njit(cache=True, parallel=True)
 def dequantize_stored_rows(weight, layer, first, tile):
     """tile[r] = row first + r of layer `layer` of `weight` (the stored form), dequantized as
     `embedding_stored` dequantizes a row (pyml.formats.quant.dequantize's float32 bits, converted

@@ -7,7 +7,9 @@ the entry imports that module by name. A generated package is imported under mor
 (any name, as Python allows). Without a key per name, whichever name compiles second loads the
 other's entry and fails with `ModuleNotFoundError` (2026-12-05). Each locator Numba tries is
 therefore wrapped so that an entry's file name also carries a digest of the module's name: two
-names compile and cache separately, and neither ever reads the other's entry.
+names compile and cache separately, and neither ever reads the other's entry. The wrapped locators
+also stamp the entries of pyml/package's own kernels with a digest of the whole package
+(`package_sources_digest`), since their machine code holds what they call from its other files.
 
 Numba offers no public hook for this (its `NUMBA_CACHE_LOCATOR_CLASSES` setting replaces the
 list rather than wrapping it, and is read from the environment); the list of locator classes on
@@ -19,9 +21,13 @@ there rather than in a user's hands.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+from pathlib import Path
 
 from numba.core import caching
+
+PACKAGE_DIR = Path(__file__).resolve().parent
 
 
 def module_digest(module_name: str) -> str:
@@ -40,9 +46,29 @@ def keyed_by_module(locator_class: type) -> type:
         def get_disambiguator(self):
             return f"{super().get_disambiguator()}-{self._module_digest}"
 
+        def get_source_stamp(self):
+            stamp = super().get_source_stamp()
+            source = getattr(self, "_py_file", None)
+            if source is not None and PACKAGE_DIR in Path(source).resolve().parents:
+                return stamp, package_sources_digest()
+            return stamp
+
     ModuleKeyedLocator.__name__ = ModuleKeyedLocator.__qualname__ = f"ModuleKeyed{locator_class.__name__}"
     ModuleKeyedLocator.keyed_by_module = True
     return ModuleKeyedLocator
+
+
+@functools.cache
+def package_sources_digest() -> str:
+    """One digest of every module under pyml/package, part of the stamp of each cached function
+    declared there. Numba files an entry under its own source file's stamp only, but a shared
+    kernel's machine code holds what it calls from the package's other files (quantized_dot's
+    intrinsics in decode_cpu's linear maps, vector_math's loops in the norms): with this digest, a
+    change to any of them makes those entries stale instead of silently reused."""
+    digest = hashlib.sha256()
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        digest.update(path.relative_to(PACKAGE_DIR).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 def key_cache_by_module() -> None:

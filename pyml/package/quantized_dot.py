@@ -781,7 +781,7 @@ F32_NON_FINITE_BITS = 0x7F800000
 ROUNDING_LANES = 8
 
 
-@njit
+@njit(cache=True)
 def round_activations_q8(x, x_values, x_scale, x_total):
     """Each row of x (B, in) float32, C-contiguous, rounded as llama.cpp's reference quantizer
     (quantize_row_q8_1_ref, and gguf's Q8_0) rounds it, per 32 values: scale d = max |x| / 127,

@@ -81,3 +81,19 @@ def test_greedy_tokens_equal_the_float32_models(llama_folders, name):
     stored = decoding.load_decoder(llama_folders[name])
     float32 = decoding.load_decoder(llama_folders[name], weights="f32")
     assert greedy(stored, ids) == greedy(float32, ids)
+
+
+def test_every_linear_map_of_the_step_is_one_compiled_linear_stored(llama_folders):
+    """The tied head is layer 0 of a model-level weight: passed as a literal 0, Numba compiled a
+    second `linear_stored` into every step, 17 s of each cold start here. The step is typed afresh
+    (a new dispatcher of its function), whatever Numba's cache already holds."""
+    from numba import njit, types
+
+    from pyml.package.decode_cpu import linear_stored
+
+    decoder = decoding.load_decoder(llama_folders["f32"])
+    greedy(decoder, [5, 17, 23], count=1)
+    step = decoder.step.decode_step
+    njit(step.py_func).compile(step.signatures[0])
+    layers = {signature[1] for signature in linear_stored.signatures}
+    assert layers and not [layer for layer in layers if isinstance(layer, types.Literal)], layers

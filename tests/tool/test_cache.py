@@ -42,3 +42,39 @@ def test_cache_list_counts_each_packages_compiled_code_and_all_of_numbas(tmp_pat
     assert entry.startswith("tiny  0123456789abcdef  0.0 MiB, compiled 2.0 MiB  ")
     assert total == (f"1 package(s) in {tmp_path / 'cache'}; Numba's compiled code: 3.0 MiB in "
                      f"{tmp_path / 'numba'}")
+
+
+def test_a_shared_kernels_entry_is_stamped_with_every_module_of_the_package(tmp_path, monkeypatch):
+    """Numba stamps a cached function with its own source file alone, but `linear_stored`'s machine
+    code holds quantized_dot's intrinsics: pyml/package's entries carry a digest of the whole
+    package, which changes with any of its files, so an edit there cannot leave a stale kernel."""
+    import shutil
+
+    from numba.core.caching import FunctionCache
+
+    from pyml.package import numba_cache
+    from pyml.package.decode_cpu import linear_stored
+
+    stamp = FunctionCache(linear_stored.py_func)._impl.locator.get_source_stamp()
+    assert stamp[1] == numba_cache.package_sources_digest()
+    (tmp_path / "outside.py").write_text("def f():\n    return 1\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import outside
+    finally:
+        sys.path.remove(str(tmp_path))
+    outside_stamp = FunctionCache(outside.f)._impl.locator.get_source_stamp()
+    digest = numba_cache.package_sources_digest()
+    assert not (isinstance(outside_stamp, tuple) and outside_stamp[-1] == digest)  # Numba's own elsewhere
+
+    copy = tmp_path / "package"
+    shutil.copytree(numba_cache.PACKAGE_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(numba_cache, "PACKAGE_DIR", copy)
+    digests = []
+    for edit in (None, "quantized_dot.py", "cpu/rope.py"):
+        if edit is not None:
+            (copy / edit).write_text((copy / edit).read_text() + "\n# edited\n")
+        numba_cache.package_sources_digest.cache_clear()
+        digests.append(numba_cache.package_sources_digest())
+    numba_cache.package_sources_digest.cache_clear()
+    assert len(set(digests)) == 3

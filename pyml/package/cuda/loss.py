@@ -2,7 +2,8 @@
 pyml.package.cpu.loss. One block per row, float64 shared-memory trees for the max and the sum of
 exponentials; the per-row losses go to a device buffer that the host sums in order
 (deterministic). Optional row weights replace the mean's 1 / n_valid in the gradient, and
-`target_log_probs` gives each row's log-probability of its target, as the CPU module's say."""
+`target_log_probs` gives each row's log-probability of its target (the row kernel's loss without
+a gradient, negated), as the CPU module's say."""
 
 import math
 
@@ -117,47 +118,9 @@ def loss_forward(logits, targets):
     return run(logits, targets, logits, False)
 
 
-@cuda.jit
-def target_log_probs_kernel(logits, targets, log_probs):
-    # one block per row: log_probs[n] = log softmax(logits[n])[targets[n]], 0 on ignored rows
-    partial = cuda.shared.array(THREADS, np.float64)
-    n = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    n_classes = logits.shape[1]
-    target = targets[n]
-    if target == IGNORED_TARGET:
-        if tid == 0:
-            log_probs[n] = 0.0
-        return
-    row_max = -math.inf
-    for c in range(tid, n_classes, THREADS):
-        row_max = max(row_max, np.float64(logits[n, c]))
-    partial[tid] = row_max
-    cuda.syncthreads()
-    stride = THREADS // 2
-    while stride > 0:
-        if tid < stride:
-            partial[tid] = max(partial[tid], partial[tid + stride])
-        cuda.syncthreads()
-        stride //= 2
-    row_max = partial[0]
-    cuda.syncthreads()
-    total = 0.0
-    for c in range(tid, n_classes, THREADS):
-        total += math.exp(np.float64(logits[n, c]) - row_max)
-    partial[tid] = total
-    cuda.syncthreads()
-    stride = THREADS // 2
-    while stride > 0:
-        if tid < stride:
-            partial[tid] += partial[tid + stride]
-        cuda.syncthreads()
-        stride //= 2
-    if tid == 0:
-        log_probs[n] = np.float64(logits[n, target]) - row_max - math.log(partial[0])
-
-
 def target_log_probs(logits, targets, log_probs):
     # log_probs (N,) float64 on the device := each row's log-probability of its target
+    # (0 on ignored rows): the loss kernel's per-row -log p without a gradient, negated
     counted_targets(logits, targets)
-    target_log_probs_kernel[logits.shape[0], THREADS](logits, targets, log_probs)
+    row_kernel[logits.shape[0], THREADS](logits, targets, logits, log_probs, False, log_probs)
+    log_probs.copy_to_device(-log_probs.copy_to_host())
