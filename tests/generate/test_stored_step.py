@@ -42,7 +42,8 @@ def llama_folders(tmp_path_factory):
                                                    "": gguf.GGMLQuantizationType.F16})):
         path = root / f"{name}.gguf"
         write_gguf(path, "llama", LLAMA, tensor_types=types)
-        folders[name] = import_gguf(path, root / name, progress=False)
+        # both named as tiny_folder names the llama of these dims: one compiled package for all
+        folders[name] = import_gguf(path, root / name, progress=False, name="tiny_llama")
     return folders
 
 

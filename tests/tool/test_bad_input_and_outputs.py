@@ -170,7 +170,9 @@ def test_import_links_the_gguf_or_copies_it_and_a_moved_gguf_is_said_in_one_line
     folder says so in one line, exit 2; --copy makes a folder that outlives the move."""
     gguf_path = tmp_path / "tiny.gguf"
     gguf_path.write_bytes(user.llama_gguf.read_bytes())
-    linked, copied = tmp_path / "linked", tmp_path / "copied"
+    # named as the tiny llama's folder is: the spec, named after its folder, is that model's, whose
+    # compiled package the suite already has (a spec of another name compiles its own, 15 s)
+    linked, copied = tmp_path / "linked" / user.llama.name, tmp_path / "copied" / user.llama.name
     made = pyml("import-gguf", gguf_path, "--out", linked, cwd=tmp_path)
     assert made.returncode == 0 and f"source.gguf, a link to {gguf_path.resolve()}" in made.stdout
     assert (linked / "source.gguf").readlink() == gguf_path.resolve()

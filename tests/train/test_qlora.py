@@ -27,11 +27,14 @@ SETTINGS = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
 
 def quantized_folder(root, stored: str):
-    """A tiny llama GGUF whose matrices are stored `stored` (the embedding too), imported."""
+    """A tiny llama GGUF whose matrices are stored `stored` (the embedding too), imported. The
+    spec is named by its dims, not its format: the formats of one shape share a compiled package
+    (the stored type is the weights', not the spec's)."""
     path = root / f"tiny-{stored}.gguf"
     write_gguf(path, "llama", FORMATS[stored], general={"general.name": "Tiny"},
                tensor_types={"": gguf.GGMLQuantizationType[stored]})
-    return import_gguf(path, root / f"tiny-{stored}", progress=False)
+    name = "tiny_qlora_k" if FORMATS[stored] is K_DIMS else "tiny_qlora"
+    return import_gguf(path, root / f"tiny-{stored}", progress=False, name=name)
 
 
 def our_name(peft_name: str) -> str:
