@@ -38,21 +38,21 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The background runs (the CUDA simulator's and the generator fuzzer's) start now, and the
-    tests that report them go last (tests/support/background_runs.py says why)."""
-    from tests.support import background_runs
+    """The CUDA simulator's runs start now, in the background, and the tests that report them go
+    last (tests/support/cuda_simulator.py says why)."""
+    from tests.support import cuda_simulator
 
-    reporting = [item for item in items if item.path.name in ("test_cuda_sim.py", "test_generator_fuzz.py")]
+    reporting = [item for item in items if item.path.name == "test_cuda_sim.py"]
     if reporting:
         items[:] = [item for item in items if item not in reporting] + reporting
-        background_runs.start([item.callspec.params["cases"] for item in reporting])
+        cuda_simulator.start([item.callspec.params["cases"] for item in reporting])
 
 
 def pytest_sessionfinish(session, exitstatus):
-    from tests.support import background_runs
+    from tests.support import cuda_simulator
 
-    if background_runs.runs is not None:
-        background_runs.runs.stop()
+    if cuda_simulator.runs is not None:
+        cuda_simulator.runs.stop()
 
 
 @pytest.fixture(scope="session")

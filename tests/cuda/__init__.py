@@ -1,2 +1,2 @@
 """The CUDA kernels and packages under Numba's CUDA simulator: the *_cases.py files run in child
-processes (tests/support/background_runs.py), test_cuda_sim.py reports them."""
+processes (tests/support/cuda_simulator.py), test_cuda_sim.py reports them."""

@@ -1,5 +1,5 @@
 """The generated CUDA decode step (gen/<name>/decode_cuda.py) and its linear map, under Numba's
-CUDA simulator (tests/support/background_runs.py runs this file in a child process), or directly on a
+CUDA simulator (tests/support/cuda_simulator.py runs this file in a child process), or directly on a
 machine with a GPU:
 
 - `linear_row` equals the exact model's matVec bit for bit in every format the step runs, on

@@ -1,18 +1,15 @@
-"""Case files each run by a child pytest process in the background while the rest of the suite
-runs: the CUDA case files under Numba's CUDA simulator, and the generator fuzzer; the tests that
-report them (tests/cuda/test_cuda_sim.py, tests/codegen/test_generator_fuzz.py) go last.
+"""The CUDA case files, each run by a child pytest process under Numba's CUDA simulator, in the
+background while the rest of the suite runs; tests/cuda/test_cuda_sim.py reports their results.
 
 A child process: NUMBA_ENABLE_CUDASIM=1 only works if set before numba.cuda is first imported, and
 pytest imports every test module of a session before running any.
 
 In the background: the simulator runs every GPU thread in Python, on one core, about fifteen
 minutes in all on the 2-core development machine, which was half of `make test` when the files ran
-one after the other in the foreground. The generator fuzzer is four minutes of Numba compiling
-one new package after another (each random spec and corpus spec is a package of its own), also on
-one core. The rest of the suite, whose kernels compile on one thread too, leaves the other core
-idle much of the time: started as soon as the session's tests are collected, at a lower priority
-(`nice`), the children run beside it, and the tests that report their results are moved to the end
-of the session (tests/conftest.py).
+one after the other in the foreground. Started as soon as the session's tests are collected, at a
+lower priority (`nice`), the children run beside the rest of the suite, whose kernels leave a core
+idle much of the time, and the tests that report their results are moved to the end of the session
+(tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -25,8 +22,8 @@ import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-TESTS = ROOT / "tests"
-# The CUDA case files, longest first (minutes here: 8, 3, 3, 0.5), so the last result is ready soonest.
+CASES = ROOT / "tests" / "cuda"
+# Longest first (minutes here: 8, 3, 3, 0.5), so the last result is ready soonest.
 CASE_FILES = (
     "fuzz_cuda_cases.py",  # generated packages of random specs and the fuzz corpus vs torch
     "generated_cuda_sim_cases.py",  # the shipped specs' models on device="cuda" vs the CPU
@@ -34,14 +31,11 @@ CASE_FILES = (
     "conformance_cuda_cases.py",  # every linear-map CUDA kernel vs the exact model, bit for bit
     "quantized_decode_cuda_cases.py",  # the CUDA decode step on quantized weights
 )
-FUZZ_CASES = "generator_fuzz_cases.py"  # tests/codegen's: random specs and the corpus vs torch
-# every background file: its folder under tests/ and whether it runs under the CUDA simulator
-FILES = {FUZZ_CASES: ("codegen", False)} | {name: ("cuda", True) for name in CASE_FILES}
 TIMEOUT_S = 2400  # per file, generous: at low priority a child may wait long for a core
 
 
 class BackgroundRuns:
-    """The given files of FILES, run one after another in child processes by a thread of this one."""
+    """The given case files, run one after another in child processes by a thread of this one."""
 
     def __init__(self, case_files: list[str]):
         self.results: dict[str, tuple[int | str, str]] = {}
@@ -51,7 +45,7 @@ class BackgroundRuns:
         threading.Thread(target=self.run_all, args=(case_files,), daemon=True).start()
 
     def run_all(self, case_files: list[str]) -> None:
-        env = dict(os.environ)
+        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
         env["PYTHONPATH"] = os.pathsep.join(
             [str(ROOT), env.get("PYTHONPATH", "")]
         )
@@ -60,11 +54,9 @@ class BackgroundRuns:
             for name in case_files:
                 if self.stopping:
                     break
-                folder, simulated = FILES[name]
                 self.child = subprocess.Popen(
-                    [*nice, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / folder / name)],
-                    cwd=ROOT, env=env | ({"NUMBA_ENABLE_CUDASIM": "1"} if simulated else {}),
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                    [*nice, sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CASES / name)],
+                    cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                 )  # fmt: skip
                 try:
                     output, _ = self.child.communicate(timeout=TIMEOUT_S)
@@ -93,6 +85,5 @@ runs: BackgroundRuns | None = None
 
 
 def start(case_files: list[str]) -> None:
-    """Run these files of FILES (the fuzzer first: the CUDA files' results are reported after it)."""
     global runs
-    runs = BackgroundRuns([name for name in FILES if name in case_files])
+    runs = BackgroundRuns([name for name in CASE_FILES if name in case_files])
