@@ -21,8 +21,14 @@ peak resident memory, and the GEMM floor (the step's matrix-product FLOPs at the
 numpy reaches on this machine, in this run).
 
     python bench/train_step.py [--model smollm2|gemma3] [--rounds 3] [--steps 10] [--compile]
+    python bench/train_step.py --precisions [--batch 4 --seq 512]
 
 Results go to bench/results/train_step.{json,md} (train_step_gemma3.* for Gemma).
+
+`--precisions` (issue 45) runs one worker instead: pyml in f32 and with `--precision bf16`,
+PyTorch eager in float32 and under `torch.autocast("cpu", bfloat16)`, all four in one process,
+taking each batch in turn; bf16's losses must agree with autocast's within 1e-2. Results go to
+bench/results/train_step_precisions_BxT.{json,md}.
 """
 
 from __future__ import annotations
@@ -72,6 +78,12 @@ class BenchModel:
     def dir(self) -> Path:
         return ROOT / "models" / self.folder
 
+    @property
+    def transformers_dir(self) -> Path:
+        """The folder as transformers loads it: its config and tokenizer with the weights pyml
+        reads from its GGUF, float32 in model.safetensors (transformers reads no source.gguf)."""
+        return ROOT / "models" / f"{self.folder}.transformers"
+
 
 MODELS = {
     "smollm2": BenchModel("SmolLM2-135M", "smollm2-135m-instruct", "smollm2_135m",
@@ -90,6 +102,16 @@ def ensure_model(model: BenchModel = MODELS["smollm2"]) -> Path:
     if not (model.dir / SOURCE_GGUF).exists():
         shipped = importlib.import_module(model.shipped)
         import_gguf(shipped.shipped_gguf_path(), model.dir, progress=False, name=shipped.SPEC_NAME)
+    if not (model.transformers_dir / "model.safetensors").exists():
+        from pyml.formats.safetensors_io import write_safetensors
+        from pyml.formats.stored_tensors import StoredFolder
+
+        model.transformers_dir.mkdir(parents=True, exist_ok=True)
+        for path in model.dir.iterdir():
+            if path.name != SOURCE_GGUF and path.is_file():
+                (model.transformers_dir / path.name).write_bytes(path.read_bytes())
+        write_safetensors(model.transformers_dir / "model.safetensors", StoredFolder(model.dir).dense_tensors(),
+                          metadata={"format": "pt"})
     return model.dir
 
 
@@ -122,15 +144,24 @@ class Ours:
         return self.package.train_step(self.model, self.optimizer, inputs, targets)
 
 
+class OursBf16(Ours):
+    name = "pyml --precision bf16"
+
+    def __init__(self, model: BenchModel):
+        super().__init__(model)
+        self.model.set_precision("bf16")
+
+
 class Torch:
     name = "PyTorch eager"
+    autocast = False
 
     def __init__(self, model: BenchModel, compiled: bool = False):
         import torch
         from transformers import AutoModelForCausalLM
 
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(model.dir, dtype=torch.float32)
+        self.model = AutoModelForCausalLM.from_pretrained(model.transformers_dir, dtype=torch.float32)
         self.model.config._attn_implementation = "sdpa"
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=model.lr, betas=BETAS,
@@ -142,12 +173,18 @@ class Torch:
     def step(self, inputs, targets) -> float:
         torch = self.torch
         self.optimizer.zero_grad(set_to_none=True)
-        logits = self.forward(torch.from_numpy(inputs)).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                 torch.from_numpy(targets).reshape(-1))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+            logits = self.forward(torch.from_numpy(inputs)).logits
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                                     torch.from_numpy(targets).reshape(-1))
         loss.backward()
         self.optimizer.step()
         return loss.item()
+
+
+class TorchAutocast(Torch):
+    name = "PyTorch eager, CPU autocast bf16"
+    autocast = True
 
 
 def initial_adapter(name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -233,12 +270,31 @@ class Together:
                 "ours_beside_torch": timed(self.ours, inputs, targets)}
 
 
+class Precisions:
+    """Issue 45's comparison, in one process: on each batch a step of pyml in f32 and in bf16, of
+    PyTorch eager in float32 and under CPU autocast bf16, in turn."""
+
+    def __init__(self, model: BenchModel):
+        self.runners = {"precision_ours": Ours(model), "precision_ours_bf16": OursBf16(model),
+                        "precision_torch": Torch(model), "precision_torch_bf16": TorchAutocast(model)}
+        self.names = {row: runner.name for row, runner in self.runners.items()}
+
+    def timed_step(self, inputs, targets) -> dict[str, tuple[float, float]]:
+        return {row: timed(runner, inputs, targets) for row, runner in self.runners.items()}
+
+
 WORKERS = {"ours": lambda model: Alone("ours", lambda: Ours(model)),
            "torch": lambda model: Alone("torch", lambda: Torch(model)),
            "compile": lambda model: Alone("compile", lambda: Torch(model, compiled=True)),
            "together": Together,
            "lora": lambda model: Alone("lora", lambda: OursLora(model)),
-           "peft": lambda model: Alone("peft", lambda: PeftLora(model))}
+           "peft": lambda model: Alone("peft", lambda: PeftLora(model)),
+           "precisions": Precisions}
+# the precision worker's rows against their reference rows of the same process, and the loss
+# agreement asked of them: bf16 against autocast (issue 45: within 1e-2)
+PRECISION_REFERENCES = {"precision_ours": ("precision_torch", LOSS_AGREEMENT),
+                        "precision_ours_bf16": ("precision_torch_bf16", 1e-2),
+                        "precision_torch_bf16": ("precision_torch", 1e-2)}
 
 
 def machine_description() -> str:
@@ -255,7 +311,8 @@ def machine_description() -> str:
                 break
     except OSError:  # not Linux: the platform's name is all there is
         pass
-    extensions = [flag for flag in ("avx2", "avx512f", "avx512_vnni", "amx_int8") if flag in flags]
+    extensions = [flag for flag in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
+                  if flag in flags]
     return f"{name} ({', '.join(extensions) or 'no AVX2'}), {os.cpu_count()} cores"
 
 
@@ -368,8 +425,40 @@ def markdown(report: dict) -> str:
 
 
 def reference_row(row: str) -> str:
-    """The row whose losses and step time `row` is compared with: peft's for LoRA, else eager's."""
+    """The row whose losses and step time `row` is compared with: peft's for LoRA, the same
+    process's for the precision worker's, else eager's."""
+    if row.startswith("precision_"):
+        return PRECISION_REFERENCES.get(row, (row, 0))[0]
     return "peft" if row in LORA_ROWS else "torch"
+
+
+def loss_agreement(row: str) -> float:
+    return PRECISION_REFERENCES[row][1] if row in PRECISION_REFERENCES else LOSS_AGREEMENT
+
+
+def precision_markdown(report: dict) -> str:
+    """The precision worker's table (bench/results/train_step_precisions_BxT.md)."""
+    systems = report["systems"]
+    eager, autocast = systems["precision_torch"]["median_s"], systems["precision_torch_bf16"]["median_s"]
+    lines = [f"{report['model']} training step in f32 and bf16, batch {B}x{T}, AdamW, {report['date']}, "
+             f"{report['machine']}; one process, the four systems in turn on each batch; versions "
+             f"{report['versions']}.", "",
+             "| system | median s/step | min | max | ratio to eager f32 | ratio to autocast bf16 |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for row in ("precision_ours", "precision_ours_bf16", "precision_torch", "precision_torch_bf16"):
+        result = systems[row]
+        lines.append(f"| {result['name']} | {result['median_s']:.3f} | {result['min_s']:.3f} | "
+                     f"{result['max_s']:.3f} | {result['median_s'] / eager:.2f} | "
+                     f"{result['median_s'] / autocast:.2f} |")
+    def largest(row):
+        ours, theirs = np.array(systems[row]["losses"]), np.array(systems[reference_row(row)]["losses"])
+        return float(np.max(np.abs(ours - theirs) / theirs))
+
+    lines += ["", f"Peak RSS of the process (four models): {systems['precision_ours']['peak_rss_mib']:.0f} MiB. "
+              f"Largest relative loss difference over {report['steps_compared']} steps: pyml f32 to eager "
+              f"{largest('precision_ours'):.2e}, pyml bf16 to autocast {largest('precision_ours_bf16'):.2e}, "
+              f"autocast to eager {largest('precision_torch_bf16'):.2e}."]
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
@@ -382,7 +471,13 @@ def main() -> None:
     # every worker holds its model at once: Gemma 3 270M's five need more than 24 GB
     parser.add_argument("--workers", default=",".join(["ours", "torch", "together", *LORA_ROWS]),
                         help="worker kinds to run, of ours,torch,together,lora,peft (ours and torch always)")
+    parser.add_argument("--precisions", action="store_true",
+                        help="run only the precision worker: pyml f32 and bf16, PyTorch eager and autocast bf16, "
+                             "in one process (bench/results/train_step_precisions_BxT.*)")
+    parser.add_argument("--batch", type=int, default=B)
+    parser.add_argument("--seq", type=int, default=T)
     args = parser.parse_args()
+    globals().update(B=args.batch, T=args.seq)  # the spawned workers receive their batches whole
     model = MODELS[args.model]
     ensure_model(model)
 
@@ -391,6 +486,8 @@ def main() -> None:
         asked.add("peft")  # its reference row
     kinds = [kind for kind in ("ours", "torch", "together", *LORA_ROWS) if kind in asked]
     kinds += ["compile"] if args.compile else []
+    if args.precisions:
+        kinds = ["precisions"]
     per_round = args.warmup + args.steps
     batches = corpus_batches(args.rounds * per_round, model)
     context = multiprocessing.get_context("spawn")
@@ -414,7 +511,7 @@ def main() -> None:
         process.join()
 
     flops, rate = matmul_flops(model), gemm_rate(model)
-    steps_compared = len(losses["torch"])
+    steps_compared = len(next(iter(losses.values())))
     import numba
     import torch
     import transformers
@@ -438,8 +535,21 @@ def main() -> None:
         "max_loss_rel_diff": max(float(np.max(np.abs(np.array(losses[row]) - reference) / reference))
                                  for row in losses
                                  for reference in [np.array(losses[reference_row(row)])]),
+        "loss_disagreements": [row for row in losses if float(np.max(np.abs(
+            np.array(losses[row]) - np.array(losses[reference_row(row)])) / np.array(losses[reference_row(row)])))
+            > loss_agreement(row)],
     }
     medians = {row: result["median_s"] for row, result in report["systems"].items()}
+    if args.precisions:
+        stem = f"train_step_precisions_{B}x{T}" + ("" if args.model == "smollm2" else f"_{args.model}")
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+        (RESULTS / f"{stem}.md").write_text(precision_markdown(report))
+        print(precision_markdown(report))
+        if report["loss_disagreements"]:
+            raise SystemExit(f"error: the losses of {report['loss_disagreements']} differ from their references' "
+                             "by more than asked")
+        return
     report["ratio_to_eager"] = medians["ours"] / medians["torch"]
     if "together" in kinds:
         report["ratio_torch_first_to_eager"] = medians["ours_beside_torch"] / medians["torch"]
@@ -452,7 +562,7 @@ def main() -> None:
     (RESULTS / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     (RESULTS / f"{stem}.md").write_text(markdown(report))
     print(markdown(report))
-    if report["max_loss_rel_diff"] > LOSS_AGREEMENT:
+    if report["loss_disagreements"]:
         # a speed figure is only worth something if the systems computed the same training run
         raise SystemExit(f"error: losses differ from PyTorch eager's by {report['max_loss_rel_diff']:.2e} "
                          f"relative (more than {LOSS_AGREEMENT:g})")

@@ -355,6 +355,7 @@ def train(
     dtype: Annotated[str | None, typer.Option(help="float32 or float64. Default float32.")] = None,
     device: Annotated[str | None, typer.Option(help="cpu or cuda. Default cpu.")] = None,
     recompute: Annotated[bool | None, typer.Option("--recompute/--no-recompute", help="Gradient checkpointing (decoders): keeps only each block's input (B x T x dim floats per layer) and recomputes the block in the backward: about 30% more time (SmolLM2-135M at 2x128 on the CPU) for a fraction of the activation memory (a quarter of it there), the same results. A resume may turn it on or off. Default off.")] = None,
+    precision: Annotated[str | None, typer.Option(help="The linear layers' matrix products: f32, or bf16 (each product's operands rounded to bfloat16, the sums in float32, as torch's CPU autocast; the weights, AdamW, norms, attention and the loss stay float32). bf16 needs a CPU with AVX-512 BF16 (--dtype float32, --device cpu). A resume may change it. Default f32.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the latest checkpoint in --out bit-identically; options left out (--spec, --init and --data included) take the checkpoint's values.")] = False,
     ranks: Annotated[int | None, typer.Option(help="Start this many ranks on this machine (mpiexec; needs mpi4py and an MPI): each trains on its share of every --batch. Under mpiexec or srun, leave it out.")] = None,
     shard_optimizer: Annotated[bool, typer.Option("--shard-optimizer", help="With several ranks: each keeps only its share of the AdamW state (ZeRO stage 1).")] = False,
@@ -391,7 +392,7 @@ def train(
             train_on=train_on, long_examples=long_examples, eval_data=eval_data, accumulate=accumulate,
             schedule=schedule, warmup_steps=warmup_steps, min_lr=min_lr, log=log, packing=packing,
             epochs=epochs, keep=keep, recompute=recompute, method=method, beta=beta,
-            loss_type=loss_type)
+            loss_type=loss_type, precision=precision)
     raise typer.Exit(result.exit_status)
 
 

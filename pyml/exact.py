@@ -132,3 +132,23 @@ def chain_transposed(C):  # Lean: Chain.transposed
     if C[0] == "layer":
         return chain_append(chain_transposed(C[2]), ("layer", layer_transposed(C[1]), ("nil",)))
     return chain_append(chain_transposed(C[2]), ("residual", chain_transposed(C[1]), ("nil",)))
+
+
+# Not in the Lean model: where a bf16 kernel (pyml/package/bf16_products.py) rounds its operands,
+# the mirror rounds the same integers, so the conformance of bf16 products stays exact.
+
+
+def round_bf16(n):  # no Lean definition: the integer nearest n with 8 significant bits, ties to even
+    magnitude = abs(n)
+    drop = max(magnitude.bit_length() - 8, 0)  # the bits bfloat16's 8-bit significand cannot keep
+    if drop == 0:
+        return n
+    unit = 1 << drop
+    kept, rest = divmod(magnitude, unit)
+    if rest * 2 > unit or (rest * 2 == unit and kept % 2 == 1):
+        kept += 1
+    return (kept * unit) if n >= 0 else -(kept * unit)
+
+
+def round_bf16_matrix(A):  # no Lean definition: round_bf16 of every entry
+    return [[round_bf16(a) for a in row] for row in A]

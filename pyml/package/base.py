@@ -118,6 +118,44 @@ class Device:
             array.copy_to_device(np.zeros(array.shape, array.dtype))
 
 
+PRECISIONS = ("f32", "bf16")
+
+
+class Bf16Kernels:
+    """A generated kernels module whose linear layers multiply in bf16: each product's operands
+    rounded to bfloat16, the sums in float32 (pyml/package/bf16_products.py), as torch's CPU
+    autocast runs `linear`; every other kernel (norms, attention, softmax, the loss, AdamW) is the
+    module's own, in float32."""
+
+    def __init__(self, kernels):
+        from pyml.package.cpu import linear
+
+        self.kernels = kernels
+        self.linear_forward, self.linear_bias_forward = linear.linear_forward_bf16, linear.linear_bias_forward_bf16
+        self.linear_backward, self.linear_bias_backward = (linear.linear_backward_bf16,
+                                                          linear.linear_bias_backward_bf16)
+
+    def __getattr__(self, name):
+        return getattr(self.kernels, name)
+
+
+def check_precision(precision, dtype, device):
+    """Refuse, in one line, a precision this model, device or CPU cannot run."""
+    from pyml.package.bf16_products import has_bf16_products
+
+    if precision not in PRECISIONS:
+        raise PymlError(f"--precision must be f32 or bf16, got '{precision}'")
+    if precision == "f32":
+        return
+    if device != "cpu":
+        raise PymlError("--precision bf16 runs on the CPU only (its products are AVX-512 BF16 kernels)")
+    if np.dtype(dtype) != np.float32:
+        raise PymlError(f"--precision bf16 keeps float32 master weights: use --dtype float32, not {np.dtype(dtype)}")
+    if not has_bf16_products():
+        raise PymlError("--precision bf16 needs a CPU with AVX-512 BF16 (vdpbf16ps), which this one lacks: "
+                        "train in f32")
+
+
 def no_bucket_hook(bucket):
     """The default `on_grads_ready`: nobody waits for gradients during the backward pass."""
 
@@ -162,6 +200,26 @@ class Model:
             maps)
         self.grads = self.Parameters(self.device.zeros(size))
         self.buffers = {}
+        self.precision = "f32"
+
+    def set_precision(self, precision):
+        """Run the linear layers' products in `precision`: "f32", or "bf16" (float32 models on a
+        CPU with AVX-512 BF16; the weights, gradients and every other op stay float32)."""
+        from pyml.package.cpu.frozen_linear import Bf16Weight
+
+        check_precision(precision, self.device.dtype, self.device.name)
+        kernels = self.kernels_cpu() if self.device.name == "cpu" else self.kernels_cuda()
+        self.device.kernels = Bf16Kernels(kernels) if precision == "bf16" else kernels
+        # a LoRA model's frozen maps take the precision with them, to the rendered kernels'
+        # frozen_product and frozen_input_gradient
+        for attr in self.Parameters.MAPS:
+            def weight(view):
+                rows = view.rows if isinstance(view, Bf16Weight) else view
+                return Bf16Weight(rows) if precision == "bf16" else rows
+
+            views = getattr(self.params, attr)
+            setattr(self.params, attr, [weight(view) for view in views] if isinstance(views, list) else weight(views))
+        self.precision = precision
 
     @property
     def stored_maps(self):

@@ -49,6 +49,7 @@ COMMON_DEFAULTS = {
     "warmup_steps": 0,
     "min_lr": 0.0,
     "packing": True,
+    "precision": "f32",  # the linear layers' products: f32, or bf16 (pyml.package.bf16_products)
     "recompute": False,  # gradient checkpointing: the same results in less memory, more time
     # every checkpoint is kept, as transformers' save_total_limit=None keeps them: the best one is
     # often not the latest, and a deleted one cannot be had back (--keep N to save the disk)
@@ -97,6 +98,10 @@ class TrainingConfig:
     method: str | None = "sft"  # sft, dpo or orpo (None: a checkpoint from before the option, sft)
     beta: float | None = None  # dpo and orpo: DPO's temperature, ORPO's lambda
     loss_type: str | None = None  # dpo: sigmoid or ipo
+    # the linear layers' products: "f32", or "bf16" (operands rounded to bfloat16, float32 sums;
+    # the weights, optimizer and every other op float32); None: a checkpoint from before the
+    # option, f32. A resume may change it, as --device
+    precision: str | None = "f32"
 
     def objective(self):
         """The preference objective of a dpo or orpo run (`pyml.train.preference.Objective`);
@@ -129,6 +134,8 @@ def with_steps_for_epochs(config: TrainingConfig, rows: int) -> TrainingConfig:
 def check_config(config: TrainingConfig) -> None:
     """Refuse bad options before anything is loaded; steps counted from --epochs are checked
     against the schedule once the data are (`with_steps_for_epochs`)."""
+    from pyml.package.base import check_precision
+
     for name in ("steps", "batch", "eval_every", "eval_batches", "checkpoint_every", "keep"):
         if getattr(config, name) is not None and getattr(config, name) < 1:
             raise PymlError(f"--{name.replace('_', '-')} must be at least 1")
@@ -149,6 +156,7 @@ def check_config(config: TrainingConfig) -> None:
                        config.min_lr or 0.0, config.lr, config.steps)
     if config.dtype not in ("float32", "float64"):
         raise PymlError(f"--dtype must be float32 or float64, got {config.dtype}")
+    check_precision(config.precision or "f32", config.dtype, config.device)
     if config.log is not None:
         event_writer_class(config.log)
     if config.method not in (None, "sft"):

@@ -92,6 +92,7 @@ def train(
     method: str | None = None,
     beta: float | None = None,
     loss_type: str | None = None,
+    precision: str | None = None,
 ) -> TrainingResult:
     """Train the generated package of the spec at `spec_path` (default: the `init` folder's
     spec.toml, or when resuming the checkpoint's); options left as None take the checkpoint's
@@ -100,7 +101,8 @@ def train(
     training (`pyml.train.distributed`). `lora_rank` (with `lora_alpha` and `lora_targets`)
     trains LoRA adapters instead (see above). `recompute` trades time for a decoder's activation
     memory (`DecoderModel.recompute`). `method` dpo or orpo trains on preference pairs
-    (`pyml.train.preference`) with its `beta` and DPO's `loss_type`."""
+    (`pyml.train.preference`) with its `beta` and DPO's `loss_type`. `precision` bf16 runs the
+    linear layers' products in bf16 (`Model.set_precision`)."""
     from pyml.packages import spec_file
     from pyml.spec import SequentialModel, load_spec
 
@@ -132,7 +134,7 @@ def train(
         "eval_data": None if eval_data is None else str(eval_data), "accumulate": accumulate,
         "schedule": schedule, "warmup_steps": warmup_steps, "min_lr": min_lr, "log": log,
         "packing": packing, "epochs": epochs, "keep": keep, "recompute": recompute,
-        "method": method, "beta": beta, "loss_type": loss_type,
+        "method": method, "beta": beta, "loss_type": loss_type, "precision": precision,
     }  # fmt: skip
     if resume:
         for name in FIXED_ON_RESUME:
@@ -206,6 +208,7 @@ def train(
         else:
             model = package.Model.initialized(seed=config.seed, **dtype_and_device)
         model_files = folder_files(spec_path, None if config.init is None else Path(config.init))
+    model.set_precision(config.precision or "f32")
     if form == "decoder":
         model.recompute = bool(config.recompute)
         check_activation_memory(spec, config, 1 if group is None else group.ranks,

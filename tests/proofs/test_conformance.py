@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pyml.package.bf16_products import has_bf16_products
+
 from tests.support.conformance_cases import (
     CONFIGS,
     CPU,
@@ -22,6 +24,8 @@ from tests.support.conformance_cases import (
     case_frozen_linear,
     case_frozen_linear_stored,
     case_linear,
+    case_linear_bf16,
+    case_linear_bf16_long_k,
     case_relu_backward,
     case_residual,
     case_rope,
@@ -38,6 +42,22 @@ def test_linear(seed, bias):
     linear_weight_adjoint_weight), db == matMul (transpose 1) G, the column sums (law
     matmul_adjoint_right for the bias term 1 bᵀ)."""
     case_linear(CPU, seed, bias)
+
+
+@pytest.mark.skipif(not has_bf16_products(), reason="this CPU has no AVX-512 BF16")
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_bf16(seed, bias):
+    """the bf16 linear kernels (`--precision bf16`) == the exact matMul of the operands rounded to
+    bfloat16 as the mirror rounds them (exact.round_bf16); db the column sums, unrounded."""
+    case_linear_bf16(seed, bias)
+
+
+@pytest.mark.skipif(not has_bf16_products(), reason="this CPU has no AVX-512 BF16")
+@pytest.mark.parametrize("seed", range(2))
+def test_linear_bf16_over_blocks_of_k(seed):
+    """the bf16 products over a k of several blocks, odd: the exact matMul of the rounded operands."""
+    case_linear_bf16_long_k(seed)
 
 
 @pytest.mark.parametrize("seed", SEEDS)

@@ -226,6 +226,65 @@ def case_residual(target: Target, seed: int):
     assert_exact(dx, expected, "residual backward dx += dout")
 
 
+def case_linear_bf16(seed: int, bias: bool):
+    """The bf16 linear kernels (`pyml train --precision bf16`, CPU) on float32 integers up to 600,
+    where bfloat16 keeps 8 significant bits (257 is not one), in sizes that take whole and partial
+    8 x 32 tiles: each product equals the exact one of the operands as the mirror rounds them
+    (exact.round_bf16), and float32 holds its every partial sum (under 2^24)."""
+    from pyml.package.cpu import linear
+
+    d = Draw(seed)
+    n, k, m = d.size(40), d.size(40), d.size(40)  # tokens, in_features, out_features
+    x, w, b, g = (d.ints(*shape, low=-600, high=600).astype(np.float32) for shape in [(n, k), (m, k), (m,), (n, m)])
+    X, W, G = (exact.round_bf16_matrix(as_ints(a)) for a in (x, w, g))  # as the kernels round them
+    y, dx, dw, db = (np.full(shape, 99.0, np.float32) for shape in [(n, m), (n, k), (m, k), (m,)])
+    expected_y = exact.mat_mul(X, exact.transpose(W))
+    if bias:
+        linear.linear_bias_forward_bf16(x, w, b, y)
+        expected_y = [exact.vec_add(row, as_ints(b)) for row in expected_y]  # the bias is not rounded
+        linear.linear_bias_backward_bf16(x, w, g, dx, dw, db)
+        assert_exact(db.astype(np.float64), exact.col_sum(as_ints(g)), "bf16 linear db = colSum G (float32, unrounded)")
+    else:
+        linear.linear_forward_bf16(x, w, y)
+        linear.linear_backward_bf16(x, w, g, dx, dw)
+    assert_exact(y.astype(np.float64), expected_y, "bf16 linear forward Y = X Wᵀ of the rounded operands")
+    assert_exact(dx.astype(np.float64), exact.mat_mul(G, W), "bf16 linear dX = G W of the rounded operands")
+    # a product split along k at an even index, its second part added (a LoRA base's tiles of rows)
+    split = 2 * (m // 4)
+    parts = np.full((n, k), 99.0, np.float32)
+    linear.product_into(g[:, :split], False, w[:split], True, parts)
+    linear.product_into(g[:, split:], False, w[split:], True, parts, add=split > 0)
+    assert np.array_equal(parts, dx), "bf16 dX = G W in two parts along k, the second added"
+    assert_exact(dw.astype(np.float64), exact.mat_mul(exact.transpose(G), X), "bf16 linear dW = Gᵀ X of the rounded operands")
+
+
+def case_linear_bf16_long_k(seed: int):
+    """The bf16 products over a k of several blocks (bf16_products.BLOCK_PAIRS pairs each, the
+    later ones continuing the sums) and odd (a last pair padded with zero): integers in [-3, 3]
+    with one in a hundred 257..271 (bfloat16 rounds the odd ones), so every partial sum stays
+    exact in float32; each product equals the exact one of the rounded operands."""
+    from pyml.package.bf16_products import BLOCK_PAIRS
+    from pyml.package.cpu import linear
+
+    rng = np.random.default_rng(seed)
+    n, k, m = 9, 4 * BLOCK_PAIRS + 1, 33
+
+    def draw(*shape):
+        values = rng.integers(-3, 4, size=shape)
+        large = rng.random(shape) < 0.01
+        values[large] = rng.integers(257, 272, size=int(large.sum())) * rng.choice([-1, 1], size=int(large.sum()))
+        return values.astype(np.float32)
+
+    x, w, g = draw(n, k), draw(m, k), draw(n, m)
+    X, W, G = (exact.round_bf16_matrix(as_ints(a)) for a in (x, w, g))
+    y, dx, dw = (np.full(shape, 99.0, np.float32) for shape in [(n, m), (n, k), (m, k)])
+    linear.linear_forward_bf16(x, w, y)
+    linear.linear_backward_bf16(x, w, g, dx, dw)
+    assert_exact(y.astype(np.float64), exact.mat_mul(X, exact.transpose(W)), "bf16 Y = X Wᵀ over blocks of k")
+    assert_exact(dx.astype(np.float64), exact.mat_mul(G, W), "bf16 dX = G W")
+    assert_exact(dw.astype(np.float64), exact.mat_mul(exact.transpose(G), X), "bf16 dW = Gᵀ X")
+
+
 # ---------------------------------------------------------------------------------------------
 # a frozen linear map with LoRA adapters
 

@@ -90,6 +90,11 @@ REFUSALS = {
                          "--weight-decay must be a finite number >= 0, got inf"),
     "lr-nan": (lambda u: ["train", "--init", u.llama, "--lr", "nan", "--out", u.root / "new-run"],
                "--lr must be a positive number, got nan"),
+    "precision-unknown": (lambda u: ["train", "--init", u.llama, "--precision", "fp8", "--out", u.root / "new-run"],
+                          "--precision must be f32 or bf16, got 'fp8'"),
+    "precision-bf16-float64": (lambda u: ["train", "--init", u.llama, "--precision", "bf16", "--dtype", "float64",
+                                          "--out", u.root / "new-run"],
+                               "--precision bf16 keeps float32 master weights: use --dtype float32, not float64"),
     "peer-timeout-inf": (lambda u: ["train", "--init", u.llama, "--peer-timeout", "inf"],
                          "--peer-timeout must be a number of seconds > 0, not inf"),
     "check-missing-root": (lambda u: ["check", "--root", u.root / "missing"], "missing: no such folder"),
@@ -129,6 +134,20 @@ def test_a_bad_input_is_refused_in_one_line_and_nothing_is_written(user, case):
     assert len(lines) == 1 and message in lines[0], result.stderr[-2000:]
     assert "--seq" not in lines[0] or case != "spec-does-not-fit-init"
     assert snapshot(user.root) == before
+
+
+def test_bf16_is_refused_where_the_cpu_lacks_it(monkeypatch):
+    """A CPU without AVX-512 BF16 (or a GPU run) is told in one line, before anything loads."""
+    from pyml.package.base import check_precision
+    from pyml.package.bf16_products import has_bf16_products
+
+    if has_bf16_products():
+        check_precision("bf16", "float32", "cpu")
+    monkeypatch.setattr("pyml.package.bf16_products.has_bf16_products", lambda: False)
+    with pytest.raises(PymlError, match="needs a CPU with AVX-512 BF16"):
+        check_precision("bf16", "float32", "cpu")
+    with pytest.raises(PymlError, match="runs on the CPU only"):
+        check_precision("bf16", "float32", "cuda")
 
 
 def test_import_replaces_a_model_folder_whole(user, tmp_path):

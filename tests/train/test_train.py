@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from pyml.errors import PymlError
+from pyml.package.bf16_products import has_bf16_products
 from pyml.train.checkpoint import latest_checkpoint, list_checkpoints, read_state
 from pyml.train.config import TrainingConfig
 from pyml.train.data import encode_documents, load_corpus, next_token_pairs, pack, split_documents
@@ -335,3 +336,19 @@ def test_smollm2_trains_on_the_python_documentation(smollm2_dir, tmp_path):
     assert (
         dataclasses.asdict(TrainingConfig(**read_state(result.checkpoint)["config"]))["seq"] == 32
     )
+
+
+@pytest.mark.skipif(not has_bf16_products(), reason="this CPU has no AVX-512 BF16")
+def test_a_bf16_run_resumes_bit_identically_and_is_not_the_f32_run(tiny_folders, tmp_path):
+    """`--precision bf16` through the run: resumed from its checkpoint it takes the straight run's
+    steps bit for bit, its state records the precision, and its losses are the f32 run's only to
+    bf16's rounding."""
+    options = dict(dtype="float32", precision="bf16")
+    straight = tiny_training(tiny_folders["llama"], tmp_path / "straight", **options)
+    tiny_training(tiny_folders["llama"], tmp_path / "halves", **options | dict(steps=2))
+    resumed = tiny_training(tiny_folders["llama"], tmp_path / "halves", resume=True, **options)
+    assert resumed.train_losses == straight.train_losses
+    assert read_state(straight.checkpoint)["config"]["precision"] == "bf16"
+    f32 = tiny_training(tiny_folders["llama"], tmp_path / "f32", dtype="float32")
+    assert f32.train_losses != straight.train_losses
+    assert np.allclose(f32.train_losses, straight.train_losses, rtol=1e-2)
