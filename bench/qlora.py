@@ -15,7 +15,10 @@ Every system trains LoRA adapters of rank 16 (alpha 32) on q, k, v, o, gate, up 
   built before this issue);
 - `peft`: transformers' model of the dequantized base in float32 (written once as model.safetensors
   beside the folder's config and tokenizer) with peft's LoRA, torch.optim.AdamW, torch's threads set
-  to `--threads`; no gradient checkpointing (transformers' default).
+  to `--threads`; no gradient checkpointing (transformers' default);
+- `pyml_qlora_bf16`, `peft_bf16` (issue 45): `pyml_qlora_no_recompute` with `--precision bf16` (the
+  frozen maps' products in bf16, each tile of dequantized rows rounded as it is packed), and `peft`
+  under `torch.autocast("cpu", dtype=torch.bfloat16)`.
 The float32 systems need 4 bytes a parameter: they are left out where that exceeds the machine's
 memory (the 8B shape). Each process runs `--steps` steps; the first (compilation, page faults) is
 not counted: step time is the median of the others. Peak resident memory is ru_maxrss from
@@ -56,8 +59,10 @@ SYSTEMS = {
     "pyml_qlora_no_recompute": "pyml, base as stored",
     "pyml_f32_base": "pyml, float32 copy of the base",
     "peft": "peft + transformers, float32",
+    "pyml_qlora_bf16": "pyml, base as stored, --precision bf16",
+    "peft_bf16": "peft + transformers, float32, CPU autocast bf16",
 }
-FLOAT32_SYSTEMS = ("pyml_f32_base", "peft")
+FLOAT32_SYSTEMS = ("pyml_f32_base", "peft", "peft_bf16")
 
 
 def batch(vocab: int) -> tuple[np.ndarray, np.ndarray]:
@@ -81,6 +86,8 @@ def pyml_steps(system: str, folder: Path, steps: int) -> list[float]:
     else:
         model = package.Model.from_base(folder, seed=0)
     model.recompute = system == "pyml_qlora"
+    if system == "pyml_qlora_bf16":
+        model.set_precision("bf16")
     optimizer = package.AdamW(model, lr=LR)
     ids, targets = batch(spec.embedding.vocab_size)
     seconds = []
@@ -91,7 +98,7 @@ def pyml_steps(system: str, folder: Path, steps: int) -> list[float]:
     return seconds
 
 
-def peft_steps(loadable: Path, vocab: int, threads: int, steps: int) -> list[float]:
+def peft_steps(loadable: Path, vocab: int, threads: int, steps: int, autocast: bool = False) -> list[float]:
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -107,8 +114,10 @@ def peft_steps(loadable: Path, vocab: int, threads: int, steps: int) -> list[flo
     seconds = []
     for _ in range(steps):
         started = time.perf_counter()
-        logits = model(ids).logits
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(ids).logits
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                                     targets.reshape(-1))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -147,8 +156,9 @@ def main() -> None:
         parser.add_argument(internal, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.system:
-        if args.system == "peft":
-            seconds = peft_steps(Path(args.loadable), int(args.vocab), args.threads, args.steps)
+        if args.system in ("peft", "peft_bf16"):
+            seconds = peft_steps(Path(args.loadable), int(args.vocab), args.threads, args.steps,
+                                 autocast=args.system == "peft_bf16")
         else:
             seconds = pyml_steps(args.system, Path(args.folder), args.steps)
         print(json.dumps(seconds))
@@ -174,7 +184,7 @@ def main() -> None:
     if set(asked) - set(SYSTEMS):
         sys.exit(f"error: --systems takes {', '.join(SYSTEMS)}")
     systems = [s for s in SYSTEMS if s in asked and (fits or s not in FLOAT32_SYSTEMS)]
-    loadable = transformers_copy(folder) if "peft" in systems else None
+    loadable = transformers_copy(folder) if {"peft", "peft_bf16"} & set(systems) else None
     results = {}
     for system in systems:
         command = [sys.executable, __file__, "--system", system, "--folder", str(folder),

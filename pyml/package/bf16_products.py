@@ -13,9 +13,10 @@ How:
   loads of B, eight broadcasts of A's pairs and sixteen `vdpbf16ps`.
 - `bf16_product` packs A in panels of 8 rows and B in panels of 32 columns, each as uint32 pairs
   of bf16 (k, k + 1), k-major, the lower k in the low half (the instruction's order), zeros past
-  the ends; A once, in parallel, and B a block of k at a time, each panel by the thread that
-  multiplies it (a long k, as the LM head's input gradient's 49,152, would otherwise stream
-  A's 25 MB from memory once per panel of B).
+  the ends: A once, in parallel; B a block of k at a time, its panels in parallel. The tiles of a
+  block go by chunks of A's row panels, the panels of B in parallel within a chunk, so that a
+  chunk of A and a panel of B stay in cache (GotoBLAS's blocking; without it a long k, as the LM
+  head's input gradient's 49,152, streamed A from memory once per panel of B).
 - The instruction adds each pair's two exact products (a bf16 product fits float32) to the sum in
   turn, rounding to nearest even after each add, with denormal inputs and results flushed to zero
   (Intel's definition of VDPBF16PS): so on values whose products and partial sums float32 holds
@@ -33,10 +34,15 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 MR, NR = 8, 32  # a tile: rows of A, columns of B (two vectors of 16 float32 lanes)
-# pairs of k per block: a block of A's rows (all its row panels) is read from L2 by every panel
-# of B, whose block (BLOCK_PAIRS x NR pairs, 32 KiB) stays in L1 while A's row panels pass it; a
-# block's sums continue the last block's (product_tile_add)
+# pairs of k per block: each panel's block of B (BLOCK_PAIRS x NR pairs, 32 KiB) stays in L1
+# while a chunk of A's row panels passes it; a block's sums continue the last block's
+# (product_tile_add)
 BLOCK_PAIRS = 256
+# row panels of A per chunk: a chunk's block (ROW_PANELS x BLOCK_PAIRS x MR pairs, 512 KiB) stays
+# in L2 while every panel of B passes it, rather than all of A's block streaming from memory once
+# per panel of B (the LM head's weight gradient at 4 x 512 tokens: 48 MiB a block, 18 panels)
+ROW_PANELS = 64
+ACROSS_PANELS = 64  # panels of A packed together when A is read across (512 of its columns)
 
 
 def has_bf16_products() -> bool:
@@ -155,12 +161,41 @@ def pack_panel(bits, panel, width, lines, across, first, out):
             line = bits[start + i, first : first + 2 * whole]
             for kp in range(whole):
                 out[kp * width + i] = bf16_bits(line[2 * kp]) | (bf16_bits(line[2 * kp + 1]) << np.uint32(16))
+    pack_edges(bits, panel, width, lines, across, first, out)
+
+
+@njit(cache=True)
+def pack_edges(bits, panel, width, lines, across, first, out):
+    # the entries of pack_panel's `out` that its fast loops leave: a last odd k, missing lines
+    pairs = out.shape[0] // width
+    depth = bits.shape[0] if across else bits.shape[1]
+    present = max(0, min(width, lines - panel * width))
+    whole = max(0, min(pairs, (depth - first) // 2))
     for kp in range(pairs):
         for i in range(width):
             if i >= present:
                 out[kp * width + i] = np.uint32(0)
             elif kp >= whole:
-                out[kp * width + i] = pair_at(bits, start + i, first + 2 * kp, across)
+                out[kp * width + i] = pair_at(bits, panel * width + i, first + 2 * kp, across)
+
+
+@njit(cache=True)
+def pack_panels_across(bits, first_panel, panels, width, lines, pairs, out):
+    # pack_panel(across, first 0) of `panels` consecutive panels into out (each pairs * width
+    # long), reading each pair of bits' rows along the panels' whole stretch of columns: one panel
+    # at a time, a long k (a weight gradient's tokens) reads a row of the LM head's gradient 32
+    # bytes at a time, a page apart, and the packing took as long as the product
+    whole = min(pairs, bits.shape[0] // 2)
+    for kp in range(whole):
+        for panel in range(first_panel, first_panel + panels):
+            start = panel * width
+            present = max(0, min(width, lines - start))
+            low, high = bits[2 * kp, start : start + present], bits[2 * kp + 1, start : start + present]
+            row = out[panel * pairs * width + kp * width : panel * pairs * width + kp * width + present]
+            for i in range(present):
+                row[i] = bf16_bits(low[i]) | (bf16_bits(high[i]) << np.uint32(16))
+    for panel in range(first_panel, first_panel + panels):
+        pack_edges(bits, panel, width, lines, True, 0, out[panel * pairs * width : (panel + 1) * pairs * width])
 
 
 @njit(cache=True, parallel=True)
@@ -175,33 +210,50 @@ def bf16_product(a, a_across, b, b_across, c, add):
     a_bits, b_bits = a.view(np.uint32), b.view(np.uint32)
     row_panels, column_panels = (rows + MR - 1) // MR, (columns + NR - 1) // NR
     a_packed = np.empty(row_panels * pairs * MR, np.uint32)
-    for p in prange(row_panels):
-        pack_panel(a_bits, p, MR, rows, a_across, 0, a_packed[p * pairs * MR:(p + 1) * pairs * MR])
+    if a_across:
+        chunks = (row_panels + ACROSS_PANELS - 1) // ACROSS_PANELS
+        for chunk in prange(chunks):
+            first = chunk * ACROSS_PANELS
+            pack_panels_across(a_bits, first, min(ACROSS_PANELS, row_panels - first), MR, rows, pairs, a_packed)
+    else:
+        for p in prange(row_panels):
+            pack_panel(a_bits, p, MR, rows, a_across, 0, a_packed[p * pairs * MR:(p + 1) * pairs * MR])
     flat = c.reshape(rows * columns)
+    # one chunk of A (few rows): each panel of B packed by the thread that multiplies it, in L1;
+    # several: a block of all of B packed first, for every chunk to read
+    one_chunk = row_panels <= ROW_PANELS
+    b_block = np.empty(0 if one_chunk else column_panels * min(BLOCK_PAIRS, pairs) * NR, np.uint32)
     for block in range(0, pairs, BLOCK_PAIRS):
         span, adding = min(BLOCK_PAIRS, pairs - block), add or block > 0
-        for q in prange(column_panels):
-            b_packed = np.empty(span * NR, np.uint32)
-            pack_panel(b_bits, q, NR, columns, b_across, 2 * block, b_packed)
-            edge = np.zeros(MR * NR, np.float32)
-            full_columns = (q + 1) * NR <= columns
-            for p in range(row_panels):
-                a_at = p * pairs * MR + block * MR
-                if full_columns and (p + 1) * MR <= rows:  # the tile is C's: written in place
-                    at = p * MR * columns + q * NR
+        if not one_chunk:
+            for q in prange(column_panels):
+                pack_panel(b_bits, q, NR, columns, b_across, 2 * block, b_block[q * span * NR:(q + 1) * span * NR])
+        for chunk in range(0, row_panels, ROW_PANELS):
+            for q in prange(column_panels):
+                if one_chunk:
+                    b_panel, b_at = np.empty(span * NR, np.uint32), 0
+                    pack_panel(b_bits, q, NR, columns, b_across, 2 * block, b_panel)
+                else:
+                    b_panel, b_at = b_block, q * span * NR
+                edge = np.zeros(MR * NR, np.float32)
+                full_columns = (q + 1) * NR <= columns
+                for p in range(chunk, min(chunk + ROW_PANELS, row_panels)):
+                    a_at = p * pairs * MR + block * MR
+                    if full_columns and (p + 1) * MR <= rows:  # the tile is C's: written in place
+                        at = p * MR * columns + q * NR
+                        if adding:
+                            product_tile_add(a_packed, a_at, b_panel, b_at, span, flat, at, columns)
+                        else:
+                            product_tile(a_packed, a_at, b_panel, b_at, span, flat, at, columns)
+                        continue
+                    tile_rows, tile_columns = min(MR, rows - p * MR), min(NR, columns - q * NR)
                     if adding:
-                        product_tile_add(a_packed, a_at, b_packed, 0, span, flat, at, columns)
+                        for i in range(tile_rows):
+                            for j in range(tile_columns):
+                                edge[i * NR + j] = c[p * MR + i, q * NR + j]
+                        product_tile_add(a_packed, a_at, b_panel, b_at, span, edge, 0, NR)
                     else:
-                        product_tile(a_packed, a_at, b_packed, 0, span, flat, at, columns)
-                    continue
-                tile_rows, tile_columns = min(MR, rows - p * MR), min(NR, columns - q * NR)
-                if adding:
+                        product_tile(a_packed, a_at, b_panel, b_at, span, edge, 0, NR)
                     for i in range(tile_rows):
                         for j in range(tile_columns):
-                            edge[i * NR + j] = c[p * MR + i, q * NR + j]
-                    product_tile_add(a_packed, a_at, b_packed, 0, span, edge, 0, NR)
-                else:
-                    product_tile(a_packed, a_at, b_packed, 0, span, edge, 0, NR)
-                for i in range(tile_rows):
-                    for j in range(tile_columns):
-                        c[p * MR + i, q * NR + j] = edge[i * NR + j]
+                            c[p * MR + i, q * NR + j] = edge[i * NR + j]
