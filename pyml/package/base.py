@@ -212,11 +212,11 @@ class Model:
         self.device.kernels = Bf16Kernels(kernels) if precision == "bf16" else kernels
         # a LoRA model's frozen maps take the precision with them, to the rendered kernels'
         # frozen_product and frozen_input_gradient
-        for attr in self.Parameters.MAPS:
-            def weight(view):
-                rows = view.rows if isinstance(view, Bf16Weight) else view
-                return Bf16Weight(rows) if precision == "bf16" else rows
+        def weight(view):
+            rows = view.rows if isinstance(view, Bf16Weight) else view
+            return Bf16Weight(rows) if precision == "bf16" else rows
 
+        for attr in self.Parameters.MAPS:
             views = getattr(self.params, attr)
             setattr(self.params, attr, [weight(view) for view in views] if isinstance(views, list) else weight(views))
         self.precision = precision

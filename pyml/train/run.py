@@ -209,6 +209,9 @@ def train(
             model = package.Model.initialized(seed=config.seed, **dtype_and_device)
         model_files = folder_files(spec_path, None if config.init is None else Path(config.init))
     model.set_precision(config.precision or "f32")
+    if model.precision == "bf16" and (group is None or group.is_root):
+        print("precision: the linear layers' products in bf16 (operands rounded to bfloat16, float32 sums); "
+              "weights, gradients and AdamW in float32")
     if form == "decoder":
         model.recompute = bool(config.recompute)
         check_activation_memory(spec, config, 1 if group is None else group.ranks,

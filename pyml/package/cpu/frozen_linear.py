@@ -36,7 +36,8 @@ def tiles(w: StoredRows, dtype, even=False):
     (a view of one scratch buffer, overwritten by the next tile); of an even row count but the
     last where `even` (bf16 products take k in pairs)."""
     rows, columns = w.shape
-    tile_rows = min(rows, max(16, TILE_VALUES // columns // (2 if even else 1) * (2 if even else 1)))
+    multiple = 2 if even else 1
+    tile_rows = min(rows, max(16, TILE_VALUES // columns // multiple * multiple))
     buffer = scratch("tile", (tile_rows, columns), dtype)
     for first in range(0, rows, tile_rows):
         tile = buffer[: min(tile_rows, rows - first)]
