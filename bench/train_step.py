@@ -102,16 +102,9 @@ def ensure_model(model: BenchModel = MODELS["smollm2"]) -> Path:
     if not (model.dir / SOURCE_GGUF).exists():
         shipped = importlib.import_module(model.shipped)
         import_gguf(shipped.shipped_gguf_path(), model.dir, progress=False, name=shipped.SPEC_NAME)
-    if not (model.transformers_dir / "model.safetensors").exists():
-        from pyml.formats.safetensors_io import write_safetensors
-        from pyml.formats.stored_tensors import StoredFolder
+    from qlora import transformers_copy  # bench/qlora.py's copy, written once: transformers_dir
 
-        model.transformers_dir.mkdir(parents=True, exist_ok=True)
-        for path in model.dir.iterdir():
-            if path.name != SOURCE_GGUF and path.is_file():
-                (model.transformers_dir / path.name).write_bytes(path.read_bytes())
-        write_safetensors(model.transformers_dir / "model.safetensors", StoredFolder(model.dir).dense_tensors(),
-                          metadata={"format": "pt"})
+    transformers_copy(model.dir)
     return model.dir
 
 
