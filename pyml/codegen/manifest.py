@@ -33,12 +33,12 @@ PYML_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the pym
 
 
 def shared_hashes() -> dict[str, str]:
-    """The hand-written modules generated packages import (everything under pyml/package): a
-    change to one changes what a generated package computes without changing its files, so their
-    hashes are part of the manifest."""
-    package = PYML_ROOT / "pyml" / "package"
+    """The hand-written modules generated packages import (everything under pyml/package, and the
+    weight formats its kernels read: pyml/weight_formats): a change to one changes what a generated
+    package computes without changing its files, so their hashes are part of the manifest."""
+    folders = (PYML_ROOT / "pyml" / "package", PYML_ROOT / "pyml" / "weight_formats")
     return {path.relative_to(PYML_ROOT).as_posix(): sha256(path.read_bytes())
-            for path in sorted(package.rglob("*.py"))}
+            for folder in folders for path in sorted(folder.rglob("*.py"))}
 
 
 def generator_hash() -> str:
@@ -49,9 +49,12 @@ def generator_hash() -> str:
 
 
 def shared_hash(paths) -> str:
-    """One digest of the shared modules `paths`, for a kernel module's first lines."""
+    """One digest of the shared modules `paths` (a path ending in "/": every module under that
+    folder), for a kernel module's first lines."""
     hashes = shared_hashes()
-    return sha256("".join(hashes[path] for path in paths))[:16]
+    names = [name for path in paths
+             for name in (sorted(n for n in hashes if n.startswith(path)) if path.endswith("/") else [path])]
+    return sha256("".join(hashes[name] for name in names))[:16]
 
 
 def law_hashes(names) -> dict[str, str]:

@@ -34,7 +34,7 @@ import numpy as np
 from pyml.errors import PymlError
 from pyml.formats.gguf_read import GGUFFile
 from pyml.formats.hf_config import hf_rope_scaling, longrope_default_attention_factor
-from pyml.formats.quant import GGMLType
+from pyml.weight_formats import GGMLType
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
 

@@ -18,7 +18,7 @@ holds (`pyml.formats.model_folder`): a llama, qwen2, qwen3, phi3 or gemma3 model
   reordered (its `permute`), Gemma's norm gains stored as 1 + w; 1-D tensors in float32 and the
   others in the `--type` asked for (F16 where a row is no whole number of blocks, as there), or
   for a K-quant type in the mix `llama-quantize` makes of the same name (`tensor_type`), encoded
-  by llama.cpp's reference quantisers (`quantize_k`), so that the bytes are the ones
+  by llama.cpp's reference quantisers (pyml/weight_formats), so that the bytes are the ones
   `llama-quantize` writes from our f32 export.
 
 Everything is checked before a byte is written, the strongest way we know: the metadata must read
@@ -55,8 +55,7 @@ from pyml.formats.gguf_architectures import (
 )
 from pyml.formats.gguf_read import GGUFFile, GGUFTensor
 from pyml.formats.model_folder import GENERAL_FILE, SOURCE_GGUF, is_adapter_folder
-from pyml.formats.quant import BLOCK_LAYOUT, GGMLType, tensor_nbytes
-from pyml.formats.quantize import ENCODABLE, quantize
+from pyml.weight_formats import ENCODABLE, FORMATS, GGMLType, quantize, tensor_nbytes
 from pyml.formats.stored_tensors import StoredFolder, StoredTensor
 from pyml.formats.tokenizer import (
     CONTROL_TOKEN,
@@ -497,9 +496,9 @@ def tensor_type(name: str, shape: tuple[int, ...], asked: GGMLType, n_layers: in
     number of that type's blocks; then the type of 32-value blocks llama-quantize falls back to
     (FALLBACK), or F16."""
     kind, row = mix_type(name, shape, asked, n_layers, tied), shape[-1]
-    if row % BLOCK_LAYOUT[kind][0]:
+    if row % FORMATS[kind].block_values:
         kind = FALLBACK.get(kind, kind)
-    return GGMLType.F16 if row % BLOCK_LAYOUT[kind][0] else kind
+    return GGMLType.F16 if row % FORMATS[kind].block_values else kind
 
 
 def mix_type(name: str, shape: tuple[int, ...], asked: GGMLType, n_layers: int, tied: bool) -> GGMLType:
@@ -514,7 +513,7 @@ def mix_type(name: str, shape: tuple[int, ...], asked: GGMLType, n_layers: int, 
     if asked in K_QUANTS:
         _, layer, within = (name.split(".", 2) + ["", ""])[:3]
         if name == "output.weight" or (tied and name == "token_embd.weight"):
-            kind = GGMLType.Q8_0 if row % BLOCK_LAYOUT[asked][0] else GGMLType.Q6_K
+            kind = GGMLType.Q8_0 if row % FORMATS[asked].block_values else GGMLType.Q6_K
         elif asked != GGMLType.Q6_K and within in ("attn_v.weight", "ffn_down.weight") and (
                 use_more_bits(int(layer), n_layers)):
             kind = GGMLType.Q6_K

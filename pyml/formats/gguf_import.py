@@ -24,7 +24,7 @@ from pyml.errors import PymlError
 from pyml.formats.gguf_architectures import Llama, architecture_of
 from pyml.formats.gguf_read import GGUFFile, read_gguf
 from pyml.formats.model_folder import GENERAL_FILE, SOURCE_GGUF, SPEC_FILE, is_model_folder
-from pyml.formats.quant import dequantize
+from pyml.weight_formats import dequantize
 from pyml.formats.spec_toml import spec_toml
 from pyml.formats.tokenizer import (
     build_tokenizer,

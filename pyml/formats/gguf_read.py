@@ -24,7 +24,7 @@ import gguf
 import numpy as np
 
 from pyml.errors import PymlError
-from pyml.formats.quant import BLOCK_LAYOUT, GGMLType, tensor_nbytes
+from pyml.weight_formats import FORMATS, GGMLType, tensor_nbytes
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -237,8 +237,8 @@ class _Parser:
         for name, shape, type_id, offset in infos:
             if name in tensors:
                 raise self.fail(f"tensor {name!r} appears twice")
-            if type_id not in BLOCK_LAYOUT.keys():
-                supported = ", ".join(t.name for t in BLOCK_LAYOUT)
+            if type_id not in FORMATS:
+                supported = ", ".join(t.name for t in FORMATS)
                 raise self.fail(
                     f"tensor {name!r} has type {ggml_type_name(type_id)}, "
                     f"which pyml does not decode (supported: {supported})"

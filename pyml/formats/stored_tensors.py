@@ -34,7 +34,7 @@ from pyml.formats.gguf_architectures import Llama, architecture_of
 from pyml.formats.gguf_import import check_tensors
 from pyml.formats.gguf_read import read_gguf
 from pyml.formats.model_folder import INDEX_FILE, MODEL_FILE, SOURCE_GGUF
-from pyml.formats.quant import GGMLType, dequantize
+from pyml.weight_formats import GGMLType, dequantize
 from pyml.formats.safetensors_io import read_header, read_safetensors
 
 # safetensors dtype -> (the GGML type of the same encoding, bytes per value); any other dtype

@@ -20,8 +20,7 @@ import numpy as np
 
 from pyml.errors import PymlError
 from pyml.formats.gguf_quantized import quantized_matrix
-from pyml.formats.quant import GGMLType, dequantize
-from pyml.formats.quantize import quantize
+from pyml.weight_formats import GGMLType, dequantize, quantize
 from pyml.package.decode_cuda import DENSE, Q4_RUNS_OF_16, Q4_RUNS_OF_32, Q5, Q6, Q8
 
 # the fused step's kind (pyml/package/decode_cpu.py) of each type kept quantized

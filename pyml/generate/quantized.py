@@ -39,7 +39,7 @@ from types import ModuleType
 import numpy as np
 
 from pyml.errors import PymlError
-from pyml.formats.quant import GGMLType
+from pyml.weight_formats import GGMLType
 from pyml.formats.stored_tensors import StoredFolder
 from pyml.generate.stored_step import (
     StepModel,

@@ -21,8 +21,7 @@ from types import ModuleType, SimpleNamespace
 import numpy as np
 
 from pyml.errors import PymlError
-from pyml.formats.quant import GGMLType
-from pyml.formats.quantize import quantize
+from pyml.weight_formats import GGMLType, quantize
 from pyml.formats.stored_tensors import StoredTensor
 from pyml.package.base import DecoderModel, Device, device_rope_tables
 from pyml.package.decode_cpu import INT8_LAYER_KIND_OF
@@ -116,7 +115,7 @@ def step_weights(step: ModuleType, tensors: dict[str, StoredTensor], n_layers: i
 
 def with_int8_activations(weight: tuple) -> tuple:
     """`weight` with each layer whose rows are all Q4_0, all Q4_1 or all Q8_0 multiplying
-    int8-rounded activations (its layer kind Q4_0_X8, Q4_1_X8 or Q8_0_X8: pyml/package/decode_cpu.py);
+    int8-rounded activations (its layer kind INT8_LAYER | its type: pyml/package/decode_cpu.py);
     the rows stay where they are stored, and the other layers as they are."""
     kinds, addresses, layer_kinds, down, up = weight
     int8_kinds = np.array([INT8_LAYER_KIND_OF.get(int(kind), kind) for kind in layer_kinds], np.uint8)

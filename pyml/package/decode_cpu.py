@@ -4,35 +4,24 @@ are stored, and the thread count of the pool's next parallel loops (the step wak
 its matrix-vector products and attention only).
 
 An op's weights arrive as one tuple, the same types for every format, so that one compiled step
-serves any mix of formats: (kinds, addresses, layer_kinds, down, up). `kinds` (layers,
-rows) uint8 is the kind of each output row and `addresses` (layers, rows) uint64 the absolute
-address of its first byte, in a memory map of the model's file (a GGUF, a safetensors file) that
-the caller keeps open; the kernels read each row there, in the layout the file stores it
-(pyml/formats/quant.py), so no weight is copied. Rows of one layer may differ in kind (a Q4_K_M
-file's Q4_K and Q6_K rows, float rows beside quantized ones) and come in any order. `layer_kinds`
-(layers,) uint8 is each layer's kind: its rows' one kind, MIXED, or an int8-activation kind
-(below); the kernels pick a layer's loop by it once, so that a layer of one kind runs a loop of
-that kind's code alone. A model-level weight (the tied LM head) has one layer. `down` and `up`
-are a low-rank update the map adds (a LoRA adapter, unmerged: `with_low_rank`), of rank 0 unless
-one is given.
+serves any mix of formats: (kinds, addresses, layer_kinds, down, up). `kinds` (layers, rows) uint8
+is the kind of each output row, its format's GGML type id, and `addresses` (layers, rows) uint64
+the absolute address of its first byte, in a memory map of the model's file (a GGUF, a safetensors
+file) that the caller keeps open; the kernels read each row there, in the layout the file stores
+it (its format's module in pyml/weight_formats says which), so no weight is copied. Rows of one
+layer may differ in kind (a Q4_K_M file's Q4_K and Q6_K rows, float rows beside quantized ones)
+and come in any order. `layer_kinds` (layers,) uint8 is each layer's kind: its rows' one kind,
+MIXED, or an int8-activation kind (below); a layer of one kind runs a parallel loop over parts of
+ROWS_PER_PART rows, each part's rows decoded by a loop of that kind's code alone. A model-level
+weight (the tied LM head) has one layer. `down` and `up` are a low-rank update the map adds (a
+LoRA adapter, unmerged: `with_low_rank`), of rank 0 unless one is given.
 
-    kind              a row's bytes (consecutive blocks)                        value
-    ROW_F32, _F16,    little-endian floats                                      as stored
-      _BF16
-    ROW_F64           little-endian float64 (float64 models: x, y, out float64)  as stored
-    ROW_Q8_0          34 per 32 values: f16 d, 32 int8 q                        q * d
-    ROW_Q4_0          18 per 32: f16 d, 16 bytes of nibbles                     (q - 8) * d
-    ROW_Q4_1          20 per 32: f16 d, f16 m, 16 bytes of nibbles              q * d + m
-    ROW_Q5_0          22 per 32: f16 d, 4 bytes of fifth bits, 16 of nibbles    (q - 16) * d
-    ROW_Q4_K          144 per 256: f16 d, f16 dmin, 12 bytes of 6-bit scales    (d sc) q - dmin min
-                      and mins, 128 bytes of nibbles
-    ROW_Q5_K          176 per 256: as ROW_Q4_K, with 32 bytes of fifth bits      (d sc) q - dmin min
-                      before the nibbles
-    ROW_Q6_K          210 per 256: 128 bytes of low nibbles, 64 of 2-bit        (d sc) (q - 32)
-                      highs, 16 int8 scales, f16 d
+The kinds read in place are the formats with a row loop (`WeightFormat.row_values`: F32, F16,
+BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K), and ROW_F64, little-endian float64 rows (the
+float64 models of the exact tests: x, y, out float64).
 
-A layer whose rows are all ROW_Q8_0, all ROW_Q4_0 or all ROW_Q4_1 may instead have the layer kind
-Q8_0_X8, Q4_0_X8 or Q4_1_X8 (`pyml generate --activations q8_0`,
+A layer whose rows are all of one format with an int8 layout (Q8_0, Q4_0, Q4_1) may instead have
+the layer kind INT8_LAYER | its type id (`pyml generate --activations q8_0`,
 pyml.generate.stored_step.with_int8_activations): its linear map rounds the op's input to int8
 first (quantized_dot.round_activations_q8) and multiplies it with integer block products, 16 rows
 at a time, the rows still read where they are stored (quantized_dot.py's section "int8
@@ -54,55 +43,39 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 from numba.np.ufunc.parallel import _launch_threads
 
-from pyml.formats.quant import GGMLType
 from pyml.package.quantized_dot import (
-    INT8_Q4_0,
-    INT8_Q4_1,
-    INT8_Q8_0,
     QDOT_GROUP_ROWS,
     QDOT_INT8_SAMPLES,
     int8_rows_by_16,
     round_activations_q8,
-    stored_bf16_values,
-    stored_f16_values,
-    stored_f32_values,
     stored_float64,
-    stored_q4_0_values,
-    stored_q4_1_values,
-    stored_q4_k_values,
-    stored_q5_k_values,
-    stored_q5_0_values,
-    stored_q6_k_values,
-    stored_q8_0_values,
-    stored_row_products as stored_row_products_of,
-    stored_row_values,
+    stored_rows_products as stored_rows_products_of,
+    stored_rows_values,
 )
+from pyml.weight_formats import FORMATS, GGMLType
 
 FAST = {"contract", "reassoc"}
 
-# the kind of each row (uint8 in a weight's `kinds`)
-ROW_Q8_0, ROW_Q4_0, ROW_Q4_1, ROW_Q5_0, ROW_Q4_K, ROW_Q6_K, ROW_F32, ROW_F16, ROW_BF16, ROW_F64 = range(8, 18)
-ROW_Q5_K = 18
-ROW_KIND_OF = {GGMLType.F32: ROW_F32, GGMLType.F16: ROW_F16, GGMLType.BF16: ROW_BF16,
-               GGMLType.F64: ROW_F64, GGMLType.Q8_0: ROW_Q8_0, GGMLType.Q4_0: ROW_Q4_0,
-               GGMLType.Q4_1: ROW_Q4_1, GGMLType.Q5_0: ROW_Q5_0, GGMLType.Q4_K: ROW_Q4_K,
-               GGMLType.Q5_K: ROW_Q5_K, GGMLType.Q6_K: ROW_Q6_K}
-# the layout of every kind read by quantized_dot's row loops in float32 (ROW_F64 is read by
-# `stored_float64`, the int8 kinds from their repacked arrays)
-STORED_ROW_LOOPS = {ROW_F32: stored_f32_values, ROW_F16: stored_f16_values, ROW_BF16: stored_bf16_values,
-                    ROW_Q8_0: stored_q8_0_values, ROW_Q4_0: stored_q4_0_values,
-                    ROW_Q4_1: stored_q4_1_values, ROW_Q5_0: stored_q5_0_values,
-                    ROW_Q4_K: stored_q4_k_values, ROW_Q5_K: stored_q5_k_values,
-                    ROW_Q6_K: stored_q6_k_values}
+# a row's kind (uint8 in a weight's `kinds`) is its format's GGML type id; ROW_F64, the float64
+# rows of the exact tests' models, is read by `stored_float64`, the others by their format's loop
+ROW_F64 = int(GGMLType.F64)
+ROW_KINDS = {int(ggml_type): format.row_values for ggml_type, format in FORMATS.items()
+             if format.row_values is not None}
+# every row kind the kernels read where it is stored
+READ_IN_PLACE = frozenset(ROW_KINDS) | {ROW_F64}
 # a layer's kind (`layer_kinds`) where its rows are not all of one kind
 MIXED = 255
-# a layer's kind where its rows, all ROW_Q8_0, all ROW_Q4_0 or all ROW_Q4_1, multiply int8-rounded
+# a layer's kind where its rows, all of one format with an int8 layout, multiply int8-rounded
 # activations (`pyml generate --activations q8_0`): the rows read where they are stored, as ever
-Q8_0_X8, Q4_0_X8, Q4_1_X8 = 5, 6, 7
-INT8_LAYER_KIND_OF = {ROW_Q8_0: Q8_0_X8, ROW_Q4_0: Q4_0_X8, ROW_Q4_1: Q4_1_X8}
-stored_row_products = stored_row_products_of(STORED_ROW_LOOPS)
-stored_row_dequantized = stored_row_values(STORED_ROW_LOOPS)
-rows_by_16 = int8_rows_by_16({Q8_0_X8: INT8_Q8_0, Q4_0_X8: INT8_Q4_0, Q4_1_X8: INT8_Q4_1})
+INT8_LAYER = 0x80
+INT8_LAYER_KIND_OF = {int(ggml_type): INT8_LAYER | int(ggml_type) for ggml_type, format in FORMATS.items()
+                      if format.int8 is not None}
+# the rows of a parallel loop's iteration over one kind's rows (the kind's switch taken once per part)
+ROWS_PER_PART = 16
+stored_rows_products = stored_rows_products_of(ROW_KINDS)
+stored_rows_dequantized = stored_rows_values(ROW_KINDS)
+rows_by_16 = int8_rows_by_16({INT8_LAYER_KIND_OF[int(ggml_type)]: format for ggml_type, format in FORMATS.items()
+                              if format.int8 is not None})
 
 # The thread pool's symbols (get_num_threads, set_num_threads) are registered with LLVM when it
 # starts (numba's private _launch_threads, which its own get_num_threads calls first); a cached
@@ -146,17 +119,17 @@ def use_pool_threads(typingctx, count):
 def linear_stored(weight, layer, x, y):
     """y[b] = W x[b] for each row b, W layer `layer` of `weight` in the stored form (kinds,
     addresses, layer_kinds; the module's docstring); x is (B, in), y (B, out), float32 (ROW_F64
-    rows: float64), C-contiguous. One output row per iteration of the parallel loop, read from
-    memory once per step and decoded once per QDOT_SAMPLES sequences, each y[b, row] summed in the
-    same order whatever the batch. The layer's kind picks the loop once: each kind has a parallel
-    loop of its own that runs only its code (a MIXED layer's loop picks each row's). The
+    rows: float64), C-contiguous. ROWS_PER_PART output rows per iteration of the parallel loop,
+    each row read from memory once per step and decoded once per QDOT_SAMPLES sequences, each
+    y[b, row] summed in the same order whatever the batch. A layer of one kind has each part's rows
+    decoded by that kind's loop alone (a MIXED layer's loop picks each row's). The
     int8-activation kinds round every row of x on the calling thread, then take 16 output rows per
     iteration, their blocks put rows by 16 once per 8 sequences (then 4, then 1), each sequence's
     sums its own likewise. No BLAS, so no BLAS thread wakes up."""
     kinds, addresses, layer_kinds = weight[0], weight[1], weight[2]
     kind, row_kinds, row_addresses = layer_kinds[layer], kinds[layer], addresses[layer]
     rows, batch = y.shape[1], y.shape[0]
-    if kind == Q8_0_X8 or kind == Q4_0_X8 or kind == Q4_1_X8:
+    if kind != MIXED and kind & INT8_LAYER:
         columns = x.shape[1]
         x_values = np.empty((batch, columns), np.int8)
         x_scale = np.empty((batch, columns // 32), np.float32)
@@ -165,71 +138,26 @@ def linear_stored(weight, layer, x, y):
         by_8 = batch - batch % QDOT_INT8_SAMPLES  # rows of x taken 8, then 4, then 1 at a time
         by_4 = by_8 + (batch - by_8) // 4 * 4
         groups = (rows + QDOT_GROUP_ROWS - 1) // QDOT_GROUP_ROWS
-        # the kind is a literal in each call below: each loop holds that layout's code alone
-        if kind == Q8_0_X8:
-            for group in prange(groups):
-                for b in range(0, by_8, 8):
-                    rows_by_16(Q8_0_X8, 8, row_addresses, x_values, x_scale, x_total, group, b, y)
-                for b in range(by_8, by_4, 4):
-                    rows_by_16(Q8_0_X8, 4, row_addresses, x_values, x_scale, x_total, group, b, y)
-                for b in range(by_4, batch):
-                    rows_by_16(Q8_0_X8, 1, row_addresses, x_values, x_scale, x_total, group, b, y)
-        elif kind == Q4_0_X8:
-            for group in prange(groups):
-                for b in range(0, by_8, 8):
-                    rows_by_16(Q4_0_X8, 8, row_addresses, x_values, x_scale, x_total, group, b, y)
-                for b in range(by_8, by_4, 4):
-                    rows_by_16(Q4_0_X8, 4, row_addresses, x_values, x_scale, x_total, group, b, y)
-                for b in range(by_4, batch):
-                    rows_by_16(Q4_0_X8, 1, row_addresses, x_values, x_scale, x_total, group, b, y)
-        else:
-            for group in prange(groups):
-                for b in range(0, by_8, 8):
-                    rows_by_16(Q4_1_X8, 8, row_addresses, x_values, x_scale, x_total, group, b, y)
-                for b in range(by_8, by_4, 4):
-                    rows_by_16(Q4_1_X8, 4, row_addresses, x_values, x_scale, x_total, group, b, y)
-                for b in range(by_4, batch):
-                    rows_by_16(Q4_1_X8, 1, row_addresses, x_values, x_scale, x_total, group, b, y)
-    # the kind is a constant in each call below: each loop holds that kind's code alone
-    elif kind == ROW_Q8_0:
-        for row in prange(rows):
-            stored_row_products(ROW_Q8_0, row_addresses[row], x, row, y)
-    elif kind == ROW_Q4_0:
-        for row in prange(rows):
-            stored_row_products(ROW_Q4_0, row_addresses[row], x, row, y)
-    elif kind == ROW_Q4_1:
-        for row in prange(rows):
-            stored_row_products(ROW_Q4_1, row_addresses[row], x, row, y)
-    elif kind == ROW_Q5_0:
-        for row in prange(rows):
-            stored_row_products(ROW_Q5_0, row_addresses[row], x, row, y)
-    elif kind == ROW_Q4_K:
-        for row in prange(rows):
-            stored_row_products(ROW_Q4_K, row_addresses[row], x, row, y)
-    elif kind == ROW_Q5_K:
-        for row in prange(rows):
-            stored_row_products(ROW_Q5_K, row_addresses[row], x, row, y)
-    elif kind == ROW_Q6_K:
-        for row in prange(rows):
-            stored_row_products(ROW_Q6_K, row_addresses[row], x, row, y)
-    elif kind == ROW_F32:
-        for row in prange(rows):
-            stored_row_products(ROW_F32, row_addresses[row], x, row, y)
-    elif kind == ROW_F16:
-        for row in prange(rows):
-            stored_row_products(ROW_F16, row_addresses[row], x, row, y)
-    elif kind == ROW_BF16:
-        for row in prange(rows):
-            stored_row_products(ROW_BF16, row_addresses[row], x, row, y)
+        for group in prange(groups):
+            for b in range(0, by_8, 8):
+                rows_by_16(kind, 8, row_addresses, x_values, x_scale, x_total, group, b, y)
+            for b in range(by_8, by_4, 4):
+                rows_by_16(kind, 4, row_addresses, x_values, x_scale, x_total, group, b, y)
+            for b in range(by_4, batch):
+                rows_by_16(kind, 1, row_addresses, x_values, x_scale, x_total, group, b, y)
     elif kind == ROW_F64:
         for row in prange(rows):
             float64_row_products(row_addresses[row], x, row, y)
-    else:
+    elif kind == MIXED:
         for row in prange(rows):
             if row_kinds[row] == ROW_F64:
                 float64_row_products(row_addresses[row], x, row, y)
             else:
-                stored_row_products(row_kinds[row], row_addresses[row], x, row, y)
+                stored_rows_products(row_kinds[row], row_addresses, x, row, row + 1, y)
+    else:
+        for part in prange((rows + ROWS_PER_PART - 1) // ROWS_PER_PART):
+            first = part * ROWS_PER_PART
+            stored_rows_products(kind, row_addresses, x, first, min(first + ROWS_PER_PART, rows), y)
     low_rank_add(weight[3], weight[4], layer, x, y)
 
 
@@ -273,7 +201,7 @@ def float64_row_products(address, x, row, y):
 def embedding_stored(weight, ids, out, scale):
     """out[n] = row ids[n] of layer 0 of `weight` (the stored form), dequantized, times `scale`:
     ids (N,) int64, out (N, dim) C-contiguous, float32 or float64 (ROW_F64 rows: float64), scale in
-    out's dtype. A quantized or float row's values are pyml.formats.quant.dequantize's float32 bits,
+    out's dtype. A quantized or float row's values are its format's numpy dequantizer's float32 bits,
     converted to out's dtype, then multiplied by `scale` in that dtype (as embedding_forward_kernel
     multiplies a float32 table's rows), so a scale of 1 leaves them as they are. One row per
     token: the row's kind is looked up per row (a table read one row per token gains nothing from
@@ -283,12 +211,12 @@ def embedding_stored(weight, ids, out, scale):
         if ids[n] < 0 or ids[n] >= kinds.shape[0]:
             raise ValueError("token id out of range of the embedding table")
     for n in prange(ids.shape[0]):
-        kind, address = kinds[ids[n]], addresses[ids[n]]
-        if kind == ROW_F64:
+        row = ids[n]
+        if kinds[row] == ROW_F64:
             for d in range(out.shape[1]):
-                out[n, d] = stored_float64(address, d) * scale
+                out[n, d] = stored_float64(addresses[row], d) * scale
         else:
-            stored_row_dequantized(kind, address, out, n)
+            stored_rows_dequantized(kinds[row], addresses, row, row + 1, out, n)
             for d in range(out.shape[1]):
                 out[n, d] *= scale
 
@@ -296,53 +224,27 @@ def embedding_stored(weight, ids, out, scale):
 @njit(cache=True, parallel=True)
 def dequantize_stored_rows(weight, layer, first, tile):
     """tile[r] = row first + r of layer `layer` of `weight` (the stored form), dequantized as
-    `embedding_stored` dequantizes a row (pyml.formats.quant.dequantize's float32 bits, converted
+    `embedding_stored` dequantizes a row (its format's numpy dequantizer's float32 bits, converted
     to tile's dtype; ROW_F64 rows as stored): tile (rows, columns) C-contiguous, float32 or
     float64. A LoRA model's frozen linear maps multiply such tiles by BLAS (QLoRA:
-    pyml/package/cpu/frozen_linear.py), so the whole matrix is never dequantized at once. One
-    parallel loop per layer kind, as in linear_stored."""
+    pyml/package/cpu/frozen_linear.py), so the whole matrix is never dequantized at once. A layer
+    of one kind by parts of ROWS_PER_PART rows, as in linear_stored."""
     kinds, addresses, layer_kinds = weight[0], weight[1], weight[2]
     kind, row_kinds, row_addresses = layer_kinds[layer], kinds[layer], addresses[layer]
     if first < 0 or first + tile.shape[0] > row_kinds.shape[0]:
         raise ValueError("the tile's rows lie outside the weight")
-    # the kind is a constant in each call below: each loop holds that kind's code alone
-    if kind == ROW_Q8_0:
-        for r in prange(tile.shape[0]):
-            stored_row_dequantized(ROW_Q8_0, row_addresses[first + r], tile, r)
-    elif kind == ROW_Q4_0:
-        for r in prange(tile.shape[0]):
-            stored_row_dequantized(ROW_Q4_0, row_addresses[first + r], tile, r)
-    elif kind == ROW_Q4_1:
-        for r in prange(tile.shape[0]):
-            stored_row_dequantized(ROW_Q4_1, row_addresses[first + r], tile, r)
-    elif kind == ROW_Q5_0:
-        for r in prange(tile.shape[0]):
-            stored_row_dequantized(ROW_Q5_0, row_addresses[first + r], tile, r)
-    elif kind == ROW_Q4_K:
-        for r in prange(tile.shape[0]):
-            stored_row_dequantized(ROW_Q4_K, row_addresses[first + r], tile, r)
-    elif kind == ROW_Q5_K:
-        for r in prange(tile.shape[0]):
-            stored_row_dequantized(ROW_Q5_K, row_addresses[first + r], tile, r)
-    elif kind == ROW_Q6_K:
-        for r in prange(tile.shape[0]):
-            stored_row_dequantized(ROW_Q6_K, row_addresses[first + r], tile, r)
-    elif kind == ROW_F32:
-        for r in prange(tile.shape[0]):
-            stored_row_dequantized(ROW_F32, row_addresses[first + r], tile, r)
-    elif kind == ROW_F16:
-        for r in prange(tile.shape[0]):
-            stored_row_dequantized(ROW_F16, row_addresses[first + r], tile, r)
-    elif kind == ROW_BF16:
-        for r in prange(tile.shape[0]):
-            stored_row_dequantized(ROW_BF16, row_addresses[first + r], tile, r)
-    else:
+    if kind == MIXED or kind == ROW_F64:
         for r in prange(tile.shape[0]):
             if row_kinds[first + r] == ROW_F64:
                 for d in range(tile.shape[1]):
                     tile[r, d] = stored_float64(row_addresses[first + r], d)
             else:
-                stored_row_dequantized(row_kinds[first + r], row_addresses[first + r], tile, r)
+                stored_rows_dequantized(row_kinds[first + r], row_addresses, first + r, first + r + 1, tile, r)
+    else:
+        for part in prange((tile.shape[0] + ROWS_PER_PART - 1) // ROWS_PER_PART):
+            start = part * ROWS_PER_PART
+            stop = min(start + ROWS_PER_PART, tile.shape[0])
+            stored_rows_dequantized(kind, row_addresses, first + start, first + stop, tile, start)
 
 
 def layer_kinds_of(kinds: np.ndarray) -> np.ndarray:
@@ -362,7 +264,7 @@ def stored_weight(kinds: np.ndarray, addresses: np.ndarray) -> tuple:
     if kinds.ndim != 2 or kinds.shape != addresses.shape or not kinds.shape[1]:
         raise ValueError(f"kinds {kinds.shape} and addresses {addresses.shape} must be one (layers, rows) "
                          "shape, with rows")
-    unknown = np.setdiff1d(kinds, list(STORED_ROW_LOOPS) + [ROW_F64])
+    unknown = np.setdiff1d(kinds, list(ROW_KINDS) + [ROW_F64])
     if unknown.size:
         raise ValueError(f"row kinds {unknown.tolist()} are not read where they are stored")
     layers, rows = kinds.shape

@@ -28,6 +28,8 @@ from pathlib import Path
 from numba.core import caching
 
 PACKAGE_DIR = Path(__file__).resolve().parent
+# the weight formats' row loops, which the package's kernels compile into their machine code
+WEIGHT_FORMATS_DIR = PACKAGE_DIR.parent / "weight_formats"
 
 
 def module_digest(module_name: str) -> str:
@@ -60,14 +62,16 @@ def keyed_by_module(locator_class: type) -> type:
 
 @functools.cache
 def package_sources_digest() -> str:
-    """One digest of every module under pyml/package, part of the stamp of each cached function
-    declared there. Numba files an entry under its own source file's stamp only, but a shared
-    kernel's machine code holds what it calls from the package's other files (quantized_dot's
-    intrinsics in decode_cpu's linear maps, vector_math's loops in the norms): with this digest, a
-    change to any of them makes those entries stale instead of silently reused."""
+    """One digest of every module under pyml/package and pyml/weight_formats, part of the stamp of
+    each cached function declared in pyml/package. Numba files an entry under its own source
+    file's stamp only, but a shared kernel's machine code holds what it calls from other files
+    (quantized_dot's intrinsics and the formats' row loops in decode_cpu's linear maps,
+    vector_math's loops in the norms): with this digest, a change to any of them makes those
+    entries stale instead of silently reused."""
     digest = hashlib.sha256()
-    for path in sorted(PACKAGE_DIR.rglob("*.py")):
-        digest.update(path.relative_to(PACKAGE_DIR).as_posix().encode() + b"\0" + path.read_bytes())
+    for folder in (PACKAGE_DIR, WEIGHT_FORMATS_DIR):
+        for path in sorted(folder.rglob("*.py")):
+            digest.update(path.relative_to(folder.parent).as_posix().encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
 
 

@@ -1,29 +1,27 @@
-"""The dot products of the fused decode step (decode_cpu.py, which imports them): of one weight
-row, read where its file stores it, with float32 rows of x; the dequantization of such a row (the
-embedding); and, for the decode step's --activations q8_0, the products of 16 rows at a time with
-int8-rounded activations (the section at the end).
+"""The dot products of the fused decode step (decode_cpu.py, which imports them): of weight rows,
+read where their file stores them, with float32 rows of x; the dequantization of such rows (the
+embedding, a LoRA base's tiles); and, for the decode step's --activations q8_0, the products of 16
+rows at a time with int8-rounded activations (the section at the end).
 
-Each is a numba intrinsic that writes its loop in LLVM vector IR. The same loop written as Python
-indexing stays scalar: numba widens every uint8 operation to int64, and LLVM then neither narrows
-nor vectorizes it; the vector form ran 7x faster (2026-12-01, one core, a 1536x576 Q4_1 matrix:
-22.6 against 3.3 billion weights/s). Generic vector types: LLVM splits them into the registers of
-whatever CPU it compiles for (one AVX-512 register holds 16 float32 lanes). The one target
-intrinsic, AVX-512 VNNI's vpdpbusd for the int8 products, is used only where the CPU has it.
+Each is a numba intrinsic that writes its loop in LLVM vector IR (pyml/weight_formats/vector_ir.py
+says why), around each format's own loop over a row's blocks (`WeightFormat.row_values`). The one
+target intrinsic, AVX-512 VNNI's vpdpbusd for the int8 products, is used only where the CPU has it.
 
 Each weight is dequantized as gguf's and llama.cpp's reference dequantizers do, in float32 (every
 product of a stored integer and its block's scales is exact: a 4- to 8-bit integer times a scale
 with an 11-bit float16 significand times a 6- or 8-bit integer), then multiplied by x and summed
 in float32, 16 lanes per partial sum and 4 partial sums, reduced at the end of the row. So on
 small integers the result is exactly the exact model's dot product, and on real weights it is
-gguf's dequantization times x up to float32 summation order. decode_cpu.py's table gives the
+gguf's dequantization times x up to float32 summation order. The formats' modules give the
 layouts of the rows; this module's section "int8 activations" the rows-by-16 one.
 
 Numba's cache does not notice when a function a cached kernel calls changes in another file, so the
-generated kernel modules carry this module's hash in their first line (as for vector_math).
+generated kernel modules carry this module's and the formats' hash in their first line (as for
+vector_math).
 """
 
 
-from typing import NamedTuple
+import hashlib
 
 import numpy as np
 from llvmlite import ir
@@ -31,48 +29,17 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from pyml.weight_formats import vector_ir as vir
+
 QDOT_LANES = 16
 QDOT_PARTIAL_SUMS = 4
-QDOT_I8, QDOT_I32, QDOT_I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
-QDOT_F32, QDOT_F16 = ir.FloatType(), ir.HalfType()
-
-
-def qdot_vector_type(element, lanes):
-    return ir.VectorType(element, lanes)
-
-
-def qdot_index(value):
-    return ir.Constant(QDOT_I64, value)
-
-
-def qdot_bytes(value, lanes):
-    return ir.Constant(qdot_vector_type(QDOT_I8, lanes), [value] * lanes)
-
-
-def qdot_load(builder, base, offset, element, lanes):
-    """The `lanes` consecutive elements at base[offset], as one vector."""
-    pointer = builder.gep(base, [offset])
-    return builder.load(builder.bitcast(pointer, qdot_vector_type(element, lanes).as_pointer()), align=1)
-
-
-def qdot_lanes(builder, vector, start, lanes):
-    """Lanes start .. start + lanes - 1 of `vector`."""
-    mask = ir.Constant(qdot_vector_type(QDOT_I32, lanes), list(range(start, start + lanes)))
-    return builder.shuffle_vector(vector, ir.Constant(vector.type, ir.Undefined), mask)
-
-
-def qdot_splat(builder, scalar, lanes):
-    vector_type = qdot_vector_type(QDOT_F32, lanes)
-    vector = builder.insert_element(ir.Constant(vector_type, ir.Undefined), scalar, ir.Constant(QDOT_I32, 0))
-    mask = ir.Constant(qdot_vector_type(QDOT_I32, lanes), [0] * lanes)
-    return builder.shuffle_vector(vector, ir.Constant(vector_type, ir.Undefined), mask)
 
 
 def qdot_padded(builder, vector):
     """`vector` (fewer than QDOT_LANES lanes) followed by zeros, QDOT_LANES lanes in all."""
     lanes = vector.type.count
     zeros = ir.Constant(vector.type, [ir.Constant(vector.type.element, 0.0)] * lanes)
-    mask = ir.Constant(qdot_vector_type(QDOT_I32, QDOT_LANES), list(range(lanes)) + [lanes] * (QDOT_LANES - lanes))
+    mask = ir.Constant(vir.vector_type(vir.I32, QDOT_LANES), list(range(lanes)) + [lanes] * (QDOT_LANES - lanes))
     return builder.shuffle_vector(vector, zeros, mask)
 
 
@@ -88,7 +55,7 @@ class QdotPartialSums:
     products are added to them in turn, so consecutive adds do not wait for each other."""
 
     def __init__(self, builder):
-        zero = ir.Constant(qdot_vector_type(QDOT_F32, QDOT_LANES), [0.0] * QDOT_LANES)
+        zero = ir.Constant(vir.vector_type(vir.F32, QDOT_LANES), [0.0] * QDOT_LANES)
         self.builder, self.next = builder, 0
         self.slots = [cgutils.alloca_once_value(builder, zero) for _ in range(QDOT_PARTIAL_SUMS)]
 
@@ -97,8 +64,8 @@ class QdotPartialSums:
         if weights.type.count < QDOT_LANES:  # a float row's last values: the other lanes add 0
             weights, x = qdot_padded(builder, weights), qdot_padded(builder, x)
         for start in range(0, weights.type.count, QDOT_LANES):
-            product = builder.fmul(qdot_lanes(builder, weights, start, QDOT_LANES),
-                                   qdot_lanes(builder, x, start, QDOT_LANES))
+            product = builder.fmul(vir.lanes(builder, weights, start, QDOT_LANES),
+                                   vir.lanes(builder, x, start, QDOT_LANES))
             slot = self.slots[self.next % QDOT_PARTIAL_SUMS]
             builder.store(builder.fadd(builder.load(slot), product), slot)
             self.next += 1
@@ -109,9 +76,9 @@ class QdotPartialSums:
         for slot in self.slots[1:]:
             vector = builder.fadd(vector, builder.load(slot))
         reduce = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(QDOT_F32, [QDOT_F32, vector.type]),
+            builder.module, ir.FunctionType(vir.F32, [vir.F32, vector.type]),
             f"llvm.vector.reduce.fadd.v{QDOT_LANES}f32")
-        return builder.call(reduce, [ir.Constant(QDOT_F32, 0.0), vector])
+        return builder.call(reduce, [ir.Constant(vir.F32, 0.0), vector])
 
 
 class QdotSamples:
@@ -129,7 +96,7 @@ class QdotSamples:
     def add_products(self, weights, start):
         """Add weights times each row's values start .. start + len(weights) - 1."""
         for row, sums in zip(self.rows, self.sums):
-            sums.add_products(weights, qdot_load(self.builder, row, start, QDOT_F32, weights.type.count))
+            sums.add_products(weights, vir.load(self.builder, row, start, vir.F32, weights.type.count))
 
     def store(self, context, y_type, y, sample, column):
         """y[sample + g, column] = row g's sum (float32, converted to y's dtype)."""
@@ -155,325 +122,170 @@ QDOT_SAMPLES = 4
 #
 # A weight row is given by the absolute address of its first byte (in a memory map of the model's
 # GGUF or safetensors file), its bytes exactly as the file stores them: blocks
-# one after another, each with its float16 scale(s) beside its packed integers (pyml/formats/
-# quant.py gives the layouts), or plain little-endian floats. Nothing is copied or decoded ahead:
-# a row's blocks are decoded as they are read, the float16 scales widened to float32 in the loop.
+# one after another, each with its float16 scale(s) beside its packed integers (pyml/weight_formats
+# gives the layouts), or plain little-endian floats. Nothing is copied or decoded ahead: a row's
+# blocks are decoded as they are read, the float16 scales widened to float32 in the loop.
 #
-# Each layout's loop decodes the row into float32 vectors in order, handing each to `use(weights,
-# start)` (the vector holds values start ..): the dot products add it to their partial sums, the
-# embedding stores it. Each value is computed as pyml.formats.quant.dequantize computes it, in
-# float32, so the embedding's rows are its bits; the dot products add the same weights, value after
-# value, to QdotSamples' partial sums in turn. (Until 2026-12-05 the step read split arrays, the
-# scales decoded ahead; these loops gave their products bit for bit, so reading the rows in place
-# changed no token.)
+# Each format's loop (`WeightFormat.row_values`) decodes the row into float32 vectors in order,
+# handing each to `use(weights, start)` (the vector holds values start ..): the dot products add it
+# to their partial sums, the embedding stores it. Each value is computed as the format's numpy
+# dequantizer computes it, in float32, so the embedding's rows are its bits; the dot products add
+# the same weights, value after value, to QdotSamples' partial sums in turn. (Until 2026-12-05 the
+# step read split arrays, the scales decoded ahead; these loops gave their products bit for bit, so
+# reading the rows in place changed no token.)
+#
+# A call covers a range of rows of one kind (a GGML type id): the switch on the kind is taken once
+# per range, outside the loop over its rows, so the loop holds that kind's code alone (a switch on
+# every row of one parallel loop made the products 1.5x slower, 2026-12-05).
 
 
-def stored_half(builder, block, offset):
-    """The float16 at byte `offset` of `block` (an i8 pointer), widened to float32 (exactly)."""
-    pointer = builder.bitcast(builder.gep(block, [qdot_index(offset)]), QDOT_F16.as_pointer())
-    return builder.fpext(builder.load(pointer, align=1), QDOT_F32)
-
-
-def stored_nibbles(builder, block, offset):
-    """The 16 bytes at byte `offset` of `block` as (low nibbles, high nibbles), <16 x i8> each."""
-    packed = qdot_load(builder, block, qdot_index(offset), QDOT_I8, 16)
-    return builder.and_(packed, qdot_bytes(15, 16)), builder.lshr(packed, qdot_bytes(4, 16))
-
-
-def stored_q8_0_values(builder, row, values, use):
-    """Q8_0: 34-byte blocks of 32 values, float16 d then 32 int8 q; value = q * d."""
-    with cgutils.for_range(builder, builder.udiv(values, qdot_index(32))) as loop:
-        block = builder.gep(row, [builder.mul(loop.index, qdot_index(34))])
-        q = builder.sitofp(qdot_load(builder, block, qdot_index(2), QDOT_I8, 32), qdot_vector_type(QDOT_F32, 32))
-        use(builder.fmul(q, qdot_splat(builder, stored_half(builder, block, 0), 32)),
-            builder.mul(loop.index, qdot_index(32)))
-
-
-def stored_q4_0_values(builder, row, values, use):
-    """Q4_0: 18-byte blocks of 32 values, float16 d then 16 bytes of nibbles (low: values 0..15,
-    high: 16..31); value = (q - 8) * d."""
-    with cgutils.for_range(builder, builder.udiv(values, qdot_index(32))) as loop:
-        block = builder.gep(row, [builder.mul(loop.index, qdot_index(18))])
-        d = qdot_splat(builder, stored_half(builder, block, 0), 16)
-        for half, nibbles in enumerate(stored_nibbles(builder, block, 2)):
-            q = builder.sitofp(builder.sub(nibbles, qdot_bytes(8, 16)), qdot_vector_type(QDOT_F32, 16))
-            use(builder.fmul(q, d), builder.add(builder.mul(loop.index, qdot_index(32)), qdot_index(16 * half)))
-
-
-def stored_q4_1_values(builder, row, values, use):
-    """Q4_1: 20-byte blocks of 32 values, float16 d and m then 16 bytes of nibbles; value = q * d + m."""
-    with cgutils.for_range(builder, builder.udiv(values, qdot_index(32))) as loop:
-        block = builder.gep(row, [builder.mul(loop.index, qdot_index(20))])
-        d = qdot_splat(builder, stored_half(builder, block, 0), 16)
-        m = qdot_splat(builder, stored_half(builder, block, 2), 16)
-        for half, nibbles in enumerate(stored_nibbles(builder, block, 4)):
-            q = builder.uitofp(nibbles, qdot_vector_type(QDOT_F32, 16))
-            use(builder.fadd(builder.fmul(q, d), m),
-                builder.add(builder.mul(loop.index, qdot_index(32)), qdot_index(16 * half)))
-
-
-def stored_q5_0_values(builder, row, values, use):
-    """Q5_0: 22-byte blocks of 32 values, float16 d, 4 bytes of fifth bits (bit j of the
-    little-endian 32-bit word: value j), 16 bytes of low nibbles; value = (q - 16) * d."""
-    with cgutils.for_range(builder, builder.udiv(values, qdot_index(32))) as loop:
-        block = builder.gep(row, [builder.mul(loop.index, qdot_index(22))])
-        d = qdot_splat(builder, stored_half(builder, block, 0), 16)
-        fifth = qdot_load(builder, block, qdot_index(2), QDOT_I8, 4)
-        for half, nibbles in enumerate(stored_nibbles(builder, block, 6)):
-            # values 16 * half + i, i < 16: bit i % 8 of byte 2 * half + i // 8
-            spread = builder.shuffle_vector(
-                fifth, ir.Constant(fifth.type, ir.Undefined),
-                ir.Constant(qdot_vector_type(QDOT_I32, 16), [2 * half + i // 8 for i in range(16)]))
-            bits = builder.and_(
-                builder.lshr(spread, ir.Constant(qdot_vector_type(QDOT_I8, 16), [i % 8 for i in range(16)])),
-                qdot_bytes(1, 16))
-            q = builder.sub(builder.or_(nibbles, builder.shl(bits, qdot_bytes(4, 16))), qdot_bytes(16, 16))
-            use(builder.fmul(builder.sitofp(q, qdot_vector_type(QDOT_F32, 16)), d),
-                builder.add(builder.mul(loop.index, qdot_index(32)), qdot_index(16 * half)))
-
-
-def stored_lane(builder, vector, lane, lanes):
-    """Lane `lane` of `vector` in each of `lanes` lanes."""
-    mask = ir.Constant(qdot_vector_type(QDOT_I32, lanes), [lane] * lanes)
-    return builder.shuffle_vector(vector, ir.Constant(vector.type, ir.Undefined), mask)
-
-
-def stored_bytes_at(builder, data, positions):
-    """The vector of data's lanes at `positions` (an index past data's lanes: 0)."""
-    zeros = ir.Constant(data.type, [0] * data.type.count)
-    mask = [p if p is not None else data.type.count for p in positions]
-    return builder.shuffle_vector(data, zeros, ir.Constant(qdot_vector_type(QDOT_I32, len(mask)), mask))
-
-
-def stored_q4_k_scales(builder, block):
-    """(d * scale, dmin * min) of a Q4_K block's 8 sub-blocks, two <8 x float> vectors (all in
-    vector lanes: scalar code per sub-block made the row's loop 1.2x slower, 2026-12-05). Bytes
-    4..7 hold scales 0..3 (and in their top two bits the top bits of scales 4..7), bytes 8..11 the
-    same for the mins, bytes 12..15 the low nibbles of scales 4..7 (low) and of mins 4..7 (high)."""
-    d, dmin = stored_half(builder, block, 0), stored_half(builder, block, 2)
-    header = qdot_load(builder, block, qdot_index(0), QDOT_I8, 16)
-    lanes = qdot_vector_type(QDOT_I8, 8)
-
-    def six_bits(low, shift, top):  # (low >> shift) & mask, with top's two high bits above a nibble
-        low = builder.lshr(stored_bytes_at(builder, header, low), ir.Constant(lanes, shift))
-        low = builder.and_(low, ir.Constant(lanes, [0x3F] * 4 + [15] * 4))
-        top = builder.lshr(stored_bytes_at(builder, header, [None] * 4 + top), ir.Constant(lanes, [6] * 8))
-        return builder.or_(low, builder.shl(top, ir.Constant(lanes, [4] * 8)))
-
-    scales = six_bits([4, 5, 6, 7, 12, 13, 14, 15], [0] * 8, [4, 5, 6, 7])
-    minimums = six_bits([8, 9, 10, 11, 12, 13, 14, 15], [0] * 4 + [4] * 4, [8, 9, 10, 11])
-    floats = qdot_vector_type(QDOT_F32, 8)
-    return (builder.fmul(qdot_splat(builder, d, 8), builder.uitofp(scales, floats)),
-            builder.fmul(qdot_splat(builder, dmin, 8), builder.uitofp(minimums, floats)))
-
-
-def stored_q4_k_values(builder, row, values, use):
-    """Q4_K: 144-byte blocks of 256 values, float16 d and dmin, 12 bytes of 6-bit scales and mins,
-    128 bytes of nibbles in 4 runs of 32 (run r: values 64 r .. 64 r + 31 in the low nibbles, the
-    next 32 in the high ones), sub-block j of 32 values: value = (d * scale_j) * q - dmin * min_j."""
-    with cgutils.for_range(builder, builder.udiv(values, qdot_index(256))) as loop:
-        block = builder.gep(row, [builder.mul(loop.index, qdot_index(144))])
-        scales = stored_q4_k_scales(builder, block)
-        for run in range(4):
-            packed = qdot_load(builder, block, qdot_index(16 + 32 * run), QDOT_I8, 32)
-            nibbles = (builder.and_(packed, qdot_bytes(15, 32)), builder.lshr(packed, qdot_bytes(4, 32)))
-            for half in range(2):
-                scale, minimum = (stored_lane(builder, vector, 2 * run + half, 32) for vector in scales)
-                q = builder.uitofp(nibbles[half], qdot_vector_type(QDOT_F32, 32))
-                use(builder.fsub(builder.fmul(scale, q), minimum),
-                    builder.add(builder.mul(loop.index, qdot_index(256)), qdot_index(64 * run + 32 * half)))
-
-
-def stored_q5_k_values(builder, row, values, use):
-    """Q5_K: 176-byte blocks of 256 values, float16 d and dmin, 12 bytes of 6-bit scales and mins
-    (as Q4_K's), 32 bytes of fifth bits, 128 bytes of nibbles in 4 runs of 32 (as Q4_K's); the
-    fifth bit of value 64 r + 32 h + i is bit 2 r + h of fifth-bit byte i: value = (d * scale_j)
-    * (q + 16 * bit) - dmin * min_j."""
-    with cgutils.for_range(builder, builder.udiv(values, qdot_index(256))) as loop:
-        block = builder.gep(row, [builder.mul(loop.index, qdot_index(176))])
-        scales = stored_q4_k_scales(builder, block)
-        fifth = qdot_load(builder, block, qdot_index(16), QDOT_I8, 32)
-        for run in range(4):
-            packed = qdot_load(builder, block, qdot_index(48 + 32 * run), QDOT_I8, 32)
-            nibbles = (builder.and_(packed, qdot_bytes(15, 32)), builder.lshr(packed, qdot_bytes(4, 32)))
-            for half in range(2):
-                bit = builder.and_(builder.lshr(fifth, qdot_bytes(2 * run + half, 32)), qdot_bytes(1, 32))
-                q = builder.or_(nibbles[half], builder.shl(bit, qdot_bytes(4, 32)))
-                scale, minimum = (stored_lane(builder, vector, 2 * run + half, 32) for vector in scales)
-                q = builder.uitofp(q, qdot_vector_type(QDOT_F32, 32))
-                use(builder.fsub(builder.fmul(scale, q), minimum),
-                    builder.add(builder.mul(loop.index, qdot_index(256)), qdot_index(64 * run + 32 * half)))
-
-
-def stored_q6_k_values(builder, row, values, use):
-    """Q6_K: 210-byte blocks of 256 values, two halves of 128 (128 bytes of low nibbles, 64 of
-    2-bit highs, 16 int8 scales, one half's after the other's), then float16 d. In half h: low
-    nibbles of bytes 64 h + i are values i (i < 64), high nibbles values 64 + i; bits 2k, 2k + 1
-    of byte 128 + 32 h + i are value 32 k + i's top two; a scale per 16 values: value =
-    (d * scale) * (q - 32)."""
-    # one block per iteration, its two halves unrolled: every byte at a constant offset in the block
-    with cgutils.for_range(builder, builder.udiv(values, qdot_index(256))) as loop:
-        block = builder.gep(row, [builder.mul(loop.index, qdot_index(210))])
-        # d * scale of the block's 16 scales, in vector lanes (as Q4_K's)
-        scales = builder.fmul(qdot_splat(builder, stored_half(builder, block, 208), 16),
-                              builder.sitofp(qdot_load(builder, block, qdot_index(192), QDOT_I8, 16),
-                                             qdot_vector_type(QDOT_F32, 16)))
-        for part in range(2):
-            low = qdot_load(builder, block, qdot_index(64 * part), QDOT_I8, 64)
-            high = qdot_load(builder, block, qdot_index(128 + 32 * part), QDOT_I8, 32)
-            for k in range(4):  # values 32k .. 32k + 31 of the half
-                source = qdot_lanes(builder, low, 32 * (k % 2), 32)
-                nibble = (builder.and_(source, qdot_bytes(15, 32)) if k < 2
-                          else builder.lshr(source, qdot_bytes(4, 32)))
-                high_bits = builder.and_(builder.lshr(high, qdot_bytes(2 * k, 32)), qdot_bytes(3, 32))
-                q = builder.sub(builder.or_(nibble, builder.shl(high_bits, qdot_bytes(4, 32))),
-                                qdot_bytes(32, 32))
-                q = builder.sitofp(q, qdot_vector_type(QDOT_F32, 32))
-                for half in range(2):  # 16 values per scale
-                    scale = stored_lane(builder, scales, 8 * part + 2 * k + half, 16)
-                    use(builder.fmul(qdot_lanes(builder, q, 16 * half, 16), scale),
-                        builder.add(builder.mul(loop.index, qdot_index(256)),
-                                    qdot_index(128 * part + 32 * k + 16 * half)))
-
-
-def stored_float_loop(load):
-    """The loop of a row of plain floats: `load(builder, row, start, lanes)` gives values start ..
-    start + lanes - 1 as float32. 64 values at a time (4 vectors: the dot products' 4 partial sums),
-    then 16, then one by one: a row may have any length."""
-
-    def loop(builder, row, values, use):
-        by_64 = builder.mul(builder.udiv(values, qdot_index(64)), qdot_index(64))
-        by_16 = builder.mul(builder.udiv(values, qdot_index(16)), qdot_index(16))
-        with cgutils.for_range(builder, builder.udiv(values, qdot_index(64))) as chunk:
-            start = builder.mul(chunk.index, qdot_index(64))
-            use(load(builder, row, start, 64), start)
-        with cgutils.for_range(builder, builder.udiv(builder.sub(by_16, by_64), qdot_index(16))) as chunk:
-            start = builder.add(by_64, builder.mul(chunk.index, qdot_index(16)))
-            use(load(builder, row, start, 16), start)
-        with cgutils.for_range(builder, builder.sub(values, by_16)) as value:
-            start = builder.add(by_16, value.index)
-            use(load(builder, row, start, 1), start)
-
-    return loop
-
-
-def stored_f32(builder, row, start, lanes):
-    return qdot_load(builder, builder.bitcast(row, QDOT_F32.as_pointer()), start, QDOT_F32, lanes)
-
-
-def stored_f16(builder, row, start, lanes):
-    halves = qdot_load(builder, builder.bitcast(row, QDOT_F16.as_pointer()), start, QDOT_F16, lanes)
-    return builder.fpext(halves, qdot_vector_type(QDOT_F32, lanes))
-
-
-def stored_bf16(builder, row, start, lanes):
-    """bfloat16 is the top half of a float32: its 16 bits shifted into place."""
-    int16, int32 = ir.IntType(16), qdot_vector_type(QDOT_I32, lanes)
-    bits = qdot_load(builder, builder.bitcast(row, int16.as_pointer()), start, int16, lanes)
-    top = builder.shl(builder.zext(bits, int32), ir.Constant(int32, [16] * lanes))
-    return builder.bitcast(top, qdot_vector_type(QDOT_F32, lanes))
-
-
-stored_f32_values, stored_f16_values, stored_bf16_values = (
-    stored_float_loop(load) for load in (stored_f32, stored_f16, stored_bf16))
-
-
-def stored_kinds(builder, kind, kind_type, loops, case):
-    """`case(loop)` for the kind's loop in `loops` (a kind not in `loops` does nothing): a literal
-    kind (a constant where the kernel calls the intrinsic) emits that kind's code alone, so a
-    layer whose rows share one kind runs a loop with no switch in it (a switch on every row of
-    one parallel loop made the products 1.5x slower, 2026-12-05); another kind, a switch."""
-    if isinstance(kind_type, types.IntegerLiteral):
-        if kind_type.literal_value in loops:
-            case(loops[kind_type.literal_value])
-        return
+def stored_kinds(builder, kind, loops, case):
+    """`case(loop)` for the kind's entry in `loops`, picked by a switch (a kind not in `loops`
+    does nothing)."""
     done = builder.append_basic_block("stored_kind_done")
     switch = builder.switch(kind, done)
     for code, loop in loops.items():
         block = builder.append_basic_block(f"stored_kind_{code}")
-        switch.add_case(ir.Constant(kind.type, code), block)
+        switch.add_case(ir.Constant(kind.type, int(code)), block)
         builder.position_at_end(block)
-        case(loop)
+        case(code, loop)
         builder.branch(done)
     builder.position_at_end(done)
 
 
+def stored_outlined(builder, name, values, body):
+    """Call `body(inner_builder, *arguments)`, emitted as a function of its own (internal, not
+    inlined) that takes `values`: each kind's loop over its rows is then optimized alone. With
+    every kind's loop in one function, LLVM optimized them worse (one Q8_0 row at a time: 0.39 ms
+    against 0.22 for an 8960 x 1536 matrix, 2026-12-06)."""
+    function_type = ir.FunctionType(ir.VoidType(), [value.type for value in values])
+    function = cgutils.get_or_insert_function(builder.module, function_type, name)
+    if function.is_declaration:
+        function.linkage = "internal"
+        function.attributes.add("noinline")
+        inner = ir.IRBuilder(function.append_basic_block("entry"))
+        body(inner, *function.args)
+        inner.ret_void()
+    builder.call(function, values)
+
+
+def stored_function_name(what, code, signature):
+    """A name for `what`'s function of kind `code` under `signature`, unique in its module."""
+    digest = hashlib.sha256(str(signature).encode()).hexdigest()[:12]
+    return f"pyml_{what}_{int(code)}_{digest}"
+
+
 def stored_integer(value):
     if not isinstance(value, types.Integer):
-        raise TypeError(f"a row's kind and address are integers, not {value}")
+        raise TypeError(f"a row's kind, address and index are integers, not {value}")
 
 
-def stored_row_products(loops):
-    """The intrinsic f(kind, address, x, row, y): y[b, row] = sum_k W[k] * x[b, k] for every row b
-    of x, W the row of x.shape[1] values whose first byte is at `address` (an integer) in the
-    layout of loops[kind] (a `stored_*_values` loop), x (B, in) float32 and y (B, rows)
-    C-contiguous (the sum in float32, converted to y's dtype). The rows of x are taken
-    QDOT_SAMPLES at a time, the weight row decoded once for them, then one at a time; each keeps
-    sums of its own, so its result is the same bits whatever B is (QdotSamples)."""
+def stored_addresses(addresses):
+    if not isinstance(addresses, types.Array) or addresses.ndim != 1 or addresses.dtype != types.uint64:
+        raise TypeError(f"rows are given by a 1-D uint64 array of addresses, not {addresses}")
+
+
+def stored_address(context, builder, addresses_type, addresses, row):
+    """The i8 pointer addresses[row]."""
+    data = context.make_array(addresses_type)(context, builder, addresses).data
+    return builder.inttoptr(builder.load(builder.gep(data, [row])), vir.I8.as_pointer())
+
+
+def stored_rows_products(loops):
+    """The intrinsic f(kind, addresses, x, first, stop, y): y[b, row] = sum_k W_row[k] * x[b, k]
+    for each row of x and each row in first .. stop - 1, W_row the row of x.shape[1] values whose
+    first byte is at addresses[row], in the layout of loops[kind] (a format's `row_values`): x (B,
+    in) float32 and y (B, rows) C-contiguous (the sum in float32, converted to y's dtype). The
+    rows of x are taken QDOT_SAMPLES at a time, the weight row decoded once for them, then one at
+    a time; each keeps sums of its own, so its result is the same bits whatever B is (QdotSamples)."""
 
     def codegen(context, builder, signature, args):
-        kind, address, x, row, y = args
-        kind_type, _, x_type, _, y_type = signature.args
-        x_shape = context.make_array(x_type)(context, builder, x).shape
-        batch, columns = builder.extract_value(x_shape, 0), builder.extract_value(x_shape, 1)
-        whole = builder.mul(builder.udiv(batch, qdot_index(QDOT_SAMPLES)), qdot_index(QDOT_SAMPLES))
-        first_byte = builder.inttoptr(address, QDOT_I8.as_pointer())
+        kind, addresses, x, first, stop, y = args
+        _, addresses_type, x_type, first_type, stop_type, y_type = signature.args
+        first, stop = (context.cast(builder, value, value_type, types.int64)
+                       for value, value_type in ((first, first_type), (stop, stop_type)))
 
-        def products(loop, sample, count):
-            samples = QdotSamples(context, builder, x_type, x, sample, count)
-            loop(builder, first_byte, columns, samples.add_products)
-            samples.store(context, y_type, y, sample, row)
+        def rows(builder, loop, addresses, x, first, stop, y):
+            x_shape = context.make_array(x_type)(context, builder, x).shape
+            batch, columns = builder.extract_value(x_shape, 0), builder.extract_value(x_shape, 1)
+            whole = builder.mul(builder.udiv(batch, vir.index(QDOT_SAMPLES)), vir.index(QDOT_SAMPLES))
+            with cgutils.for_range_slice(builder, first, stop, vir.index(1)) as (row, _):
+                first_byte = stored_address(context, builder, addresses_type, addresses, row)
 
-        def case(loop):
-            with cgutils.for_range(builder, builder.udiv(whole, qdot_index(QDOT_SAMPLES))) as group:
-                products(loop, builder.mul(group.index, qdot_index(QDOT_SAMPLES)), QDOT_SAMPLES)
-            with cgutils.for_range(builder, builder.sub(batch, whole)) as one:
-                products(loop, builder.add(whole, one.index), 1)
+                def products(sample, count):
+                    samples = QdotSamples(context, builder, x_type, x, sample, count)
+                    loop(builder, first_byte, columns, samples.add_products)
+                    samples.store(context, y_type, y, sample, row)
 
-        stored_kinds(builder, kind, kind_type, loops, case)
+                with cgutils.for_range(builder, builder.udiv(whole, vir.index(QDOT_SAMPLES))) as group:
+                    products(builder.mul(group.index, vir.index(QDOT_SAMPLES)), QDOT_SAMPLES)
+                with cgutils.for_range(builder, builder.sub(batch, whole)) as one:
+                    products(builder.add(whole, one.index), 1)
+
+        def case(code, loop):
+            stored_outlined(builder, stored_function_name("rows_products", code, signature),
+                            [addresses, x, first, stop, y],
+                            lambda inner, *values: rows(inner, loop, *values))
+
+        stored_kinds(builder, kind, loops, case)
         return context.get_dummy_value()
 
-    @intrinsic(prefer_literal=True)
-    def row_products(typingctx, kind, address, x, row, y):
-        stored_integer(kind)
-        stored_integer(address)
+    @intrinsic
+    def rows_products(typingctx, kind, addresses, x, first, stop, y):
+        for value in (kind, first, stop):
+            stored_integer(value)
+        stored_addresses(addresses)
         qdot_check(x, y)
-        return types.none(kind, address, x, row, y), codegen
+        return types.none(kind, addresses, x, first, stop, y), codegen
 
-    return row_products
+    return rows_products
 
 
-def stored_row_values(loops):
-    """The intrinsic f(kind, address, out, n): out[n] = the row of out.shape[1] values at `address`
-    in the layout of loops[kind] (a literal kind: that kind's code alone, as stored_row_products),
-    dequantized in float32 (pyml.formats.quant.dequantize's bits) and converted to out's dtype;
-    out 2-D C-contiguous, float32 or float64."""
+def stored_rows_values(loops):
+    """The intrinsic f(kind, addresses, first, stop, out, out_first): out[out_first + r - first] =
+    the row of out.shape[1] values at addresses[r], in the layout of loops[kind] (a format's
+    `row_values`), dequantized in float32 (the format's numpy dequantizer's bits) and converted to
+    out's dtype, for r in first .. stop - 1; out 2-D C-contiguous, float32 or float64."""
 
     def codegen(context, builder, signature, args):
-        kind, address, out, n = args
-        kind_type, _, out_type, _ = signature.args
-        out_row, columns = qdot_row(context, builder, out_type, out, n)
+        kind, addresses, first, stop, out, out_first = args
+        _, addresses_type, first_type, stop_type, out_type, out_first_type = signature.args
         element = context.get_value_type(out_type.dtype)
-        first_byte = builder.inttoptr(address, QDOT_I8.as_pointer())
+        first, stop, out_first = (context.cast(builder, value, value_type, types.int64) for value, value_type in
+                                  ((first, first_type), (stop, stop_type), (out_first, out_first_type)))
 
-        def store(weights, start):
-            if element != QDOT_F32:
-                weights = builder.fpext(weights, qdot_vector_type(element, weights.type.count))
-            builder.store(weights, builder.bitcast(builder.gep(out_row, [start]), weights.type.as_pointer()), align=1)
+        def rows(builder, loop, addresses, first, stop, out, out_first):
+            with cgutils.for_range_slice(builder, first, stop, vir.index(1)) as (row, _):
+                out_row, columns = qdot_row(context, builder, out_type, out,
+                                            builder.add(out_first, builder.sub(row, first)))
 
-        stored_kinds(builder, kind, kind_type, loops, lambda loop: loop(builder, first_byte, columns, store))
+                def store(weights, start):
+                    if element != vir.F32:
+                        weights = builder.fpext(weights, vir.vector_type(element, weights.type.count))
+                    builder.store(weights, builder.bitcast(builder.gep(out_row, [start]), weights.type.as_pointer()),
+                                  align=1)
+
+                loop(builder, stored_address(context, builder, addresses_type, addresses, row), columns, store)
+
+        def case(code, loop):
+            stored_outlined(builder, stored_function_name("rows_values", code, signature),
+                            [addresses, first, stop, out, out_first],
+                            lambda inner, *values: rows(inner, loop, *values))
+
+        stored_kinds(builder, kind, loops, case)
         return context.get_dummy_value()
 
-    @intrinsic(prefer_literal=True)
-    def values(typingctx, kind, address, out, n):
-        stored_integer(kind)
-        stored_integer(address)
+    @intrinsic
+    def rows_values(typingctx, kind, addresses, first, stop, out, out_first):
+        for value in (kind, first, stop, out_first):
+            stored_integer(value)
+        stored_addresses(addresses)
         qdot_check(out)
         if out.dtype not in (types.float32, types.float64):
             raise TypeError(f"a row is dequantized into float32 or float64, not {out.dtype}")
-        return types.none(kind, address, out, n), codegen
+        return types.none(kind, addresses, first, stop, out, out_first), codegen
 
-    return values
+    return rows_values
 
 
 @intrinsic
@@ -548,40 +360,26 @@ QDOT_VNNI = qdot_target_has_vnni()
 def qdot_byte_dots(builder, total, unsigned, signed):
     """total (<16 x i32>) plus, in lane j, the exact sum of unsigned[4j + i] * signed[4j + i] over
     i < 4: `unsigned` <64 x i8> read as unsigned bytes, `signed` <16 x i32> read as 64 signed ones."""
-    lanes, bytes_type = qdot_vector_type(QDOT_I32, 16), qdot_vector_type(QDOT_I8, 64)
+    lanes, bytes_type = vir.vector_type(vir.I32, 16), vir.vector_type(vir.I8, 64)
     if QDOT_VNNI:
         function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(lanes, [lanes] * 3),
                                                   "llvm.x86.avx512.vpdpbusd.512")
         return builder.call(function, [total, builder.bitcast(unsigned, lanes), signed])
-    sums = builder.mul(builder.zext(unsigned, qdot_vector_type(QDOT_I32, 64)),
-                       builder.sext(builder.bitcast(signed, bytes_type), qdot_vector_type(QDOT_I32, 64)))
+    sums = builder.mul(builder.zext(unsigned, vir.vector_type(vir.I32, 64)),
+                       builder.sext(builder.bitcast(signed, bytes_type), vir.vector_type(vir.I32, 64)))
     for count in (32, 16):  # add neighbouring lanes twice: lane j holds products 4j .. 4j + 3
         undefined = ir.Constant(sums.type, ir.Undefined)
         even, odd = (builder.shuffle_vector(sums, undefined, ir.Constant(
-            qdot_vector_type(QDOT_I32, count), list(range(first, 2 * count, 2)))) for first in (0, 1))
+            vir.vector_type(vir.I32, count), list(range(first, 2 * count, 2)))) for first in (0, 1))
         sums = builder.add(even, odd)
     return builder.add(total, sums)
 
 
 def qdot_splat_lanes(builder, scalar, element):
-    vector_type = qdot_vector_type(element, 16)
-    vector = builder.insert_element(ir.Constant(vector_type, ir.Undefined), scalar, ir.Constant(QDOT_I32, 0))
+    vector_type = vir.vector_type(element, 16)
+    vector = builder.insert_element(ir.Constant(vector_type, ir.Undefined), scalar, ir.Constant(vir.I32, 0))
     return builder.shuffle_vector(vector, ir.Constant(vector_type, ir.Undefined),
-                                  ir.Constant(qdot_vector_type(QDOT_I32, 16), [0] * 16))
-
-
-class Int8RowLayout(NamedTuple):
-    """Where a Q8_0, Q4_0 or Q4_1 block of 32 values keeps its parts, as the file stores it."""
-
-    block_bytes: int  # 34, 18, 20
-    values_at: int  # the byte of its integers: 32 int8 values, or 16 bytes of nibbles
-    four_bit: bool  # nibbles (Q4_0, Q4_1: value = q * d + offset) or int8 (Q8_0: value = q * d)
-    offset_at: int | None  # the byte of Q4_1's float16 offset m; None: Q4_0's, -8 * d (Q8_0: unused)
-
-
-INT8_Q8_0 = Int8RowLayout(34, 2, False, None)
-INT8_Q4_0 = Int8RowLayout(18, 2, True, None)
-INT8_Q4_1 = Int8RowLayout(20, 4, True, 2)
+                                  ir.Constant(vir.vector_type(vir.I32, 16), [0] * 16))
 
 
 def qdot_transposed(builder, rows):
@@ -598,7 +396,7 @@ def qdot_transposed(builder, rows):
     def shuffle(first, second, picks):
         (a, a_labels), (b, b_labels) = first, second
         labels = a_labels + b_labels
-        mask = ir.Constant(qdot_vector_type(QDOT_I32, len(picks)), picks)
+        mask = ir.Constant(vir.vector_type(vir.I32, len(picks)), picks)
         return builder.shuffle_vector(a, b, mask), [labels[i] for i in picks]
 
     while len(vectors[0][1]) < QDOT_GROUP_ROWS:  # concatenate neighbours
@@ -623,17 +421,17 @@ def qdot_transposed(builder, rows):
 def qdot_halves(builder, blocks, at):
     """The float16 at byte `at` of each of the 16 rows' blocks (i8 pointers), widened to float32
     (exactly), in lane r for row r."""
-    half_lanes = qdot_vector_type(QDOT_F16, QDOT_GROUP_ROWS)
+    half_lanes = vir.vector_type(vir.F16, QDOT_GROUP_ROWS)
     vector = ir.Constant(half_lanes, ir.Undefined)
     for r, block in enumerate(blocks):
-        pointer = builder.bitcast(builder.gep(block, [qdot_index(at)]), QDOT_F16.as_pointer())
-        vector = builder.insert_element(vector, builder.load(pointer, align=1), ir.Constant(QDOT_I32, r))
-    return builder.fpext(vector, qdot_vector_type(QDOT_F32, QDOT_GROUP_ROWS))
+        pointer = builder.bitcast(builder.gep(block, [vir.index(at)]), vir.F16.as_pointer())
+        vector = builder.insert_element(vector, builder.load(pointer, align=1), ir.Constant(vir.I32, r))
+    return builder.fpext(vector, vir.vector_type(vir.F32, QDOT_GROUP_ROWS))
 
 
-def qdot_int8_group(context, builder, signature, args, layout, count):
+def qdot_int8_group(context, builder, signature, args, format, count):
     """The 16 outputs of row group `group` for rows sample .. sample + count - 1 of x (rounded)
-    and y: the codegen of `int8_rows_by_16` (`layout`: the rows' block layout). Each block of the
+    and y: the codegen of `int8_rows_by_16` (`format`: the rows' WeightFormat). Each block of the
     16 rows is read where the file stores it and put rows by 16 in registers (qdot_transposed),
     once for all `count` rows of x; each row of x keeps its own sums and takes the same float32
     steps as it does alone (count 1), so its outputs are the same bits."""
@@ -646,61 +444,62 @@ def qdot_int8_group(context, builder, signature, args, layout, count):
 
     addresses, y = data("addresses"), data("y")
     rows = builder.extract_value(y.shape, 1)
-    first_row = builder.mul(arrays["group"][1], qdot_index(QDOT_GROUP_ROWS))
+    first_row = builder.mul(arrays["group"][1], vir.index(QDOT_GROUP_ROWS))
     # the rows of this group and the next (the last group's rows past the matrix read its last row
     # again; their outputs are not stored)
-    last_row = builder.sub(rows, qdot_index(1))
+    last_row = builder.sub(rows, vir.index(1))
     row_bytes = []
     for r in range(2 * QDOT_GROUP_ROWS):
-        row = builder.add(first_row, qdot_index(r))
+        row = builder.add(first_row, vir.index(r))
         row = builder.select(builder.icmp_signed("<", row, rows), row, last_row)
         address = builder.load(builder.gep(addresses.data, [row]))
-        row_bytes.append(builder.inttoptr(address, QDOT_I8.as_pointer()))
+        row_bytes.append(builder.inttoptr(address, vir.I8.as_pointer()))
     row_bytes, next_row_bytes = row_bytes[:QDOT_GROUP_ROWS], row_bytes[QDOT_GROUP_ROWS:]
     prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
-        ir.VoidType(), [QDOT_I8.as_pointer(), QDOT_I32, QDOT_I32, QDOT_I32]), "llvm.prefetch.p0i8")
+        ir.VoidType(), [vir.I8.as_pointer(), vir.I32, vir.I32, vir.I32]), "llvm.prefetch.p0i8")
     x_values_array, x_scale_array = data("x_values"), data("x_scale")
     n_blocks = builder.extract_value(x_scale_array.shape, 1)
     n_columns = builder.extract_value(x_values_array.shape, 1)
-    samples = [builder.add(arrays["sample"][1], qdot_index(index)) for index in range(count)]
+    samples = [builder.add(arrays["sample"][1], vir.index(index)) for index in range(count)]
     x_rows = [builder.gep(x_values_array.data, [builder.mul(sample, n_columns)]) for sample in samples]
     scale_rows = [builder.gep(x_scale_array.data, [builder.mul(sample, n_blocks)]) for sample in samples]
     total_rows = [builder.gep(data("x_total").data, [builder.mul(sample, n_blocks)]) for sample in samples]
-    float_lanes = qdot_vector_type(QDOT_F32, 16)
+    float_lanes = vir.vector_type(vir.F32, 16)
     products = [cgutils.alloca_once_value(builder, ir.Constant(float_lanes, [0.0] * 16)) for _ in samples]
     offsets = [cgutils.alloca_once_value(builder, ir.Constant(float_lanes, [0.0] * 16)) for _ in samples]
+    layout = format.int8
     four_bit = layout.four_bit
     words = 4 if four_bit else 8  # a block's integers: 16 bytes of nibbles, or 32 int8
     with cgutils.for_range(builder, n_blocks) as loop:
         block = loop.index
-        at = builder.mul(block, qdot_index(layout.block_bytes))
+        at = builder.mul(block, vir.index(format.block_bytes))
         blocks = [builder.gep(row, [at]) for row in row_bytes]
         # 16 rows are 16 short streams, which the CPU's prefetcher does not follow: the next
         # group's rows are fetched while this one runs (1.5B Q8_0, 16 matrices, one sequence:
         # 9.8 ms against 11.7 without; 2026-12-06)
         for row in next_row_bytes:
-            builder.call(prefetch, [builder.gep(row, [at]), ir.Constant(QDOT_I32, 0), ir.Constant(QDOT_I32, 3),
-                                    ir.Constant(QDOT_I32, 1)])
-        stored = [builder.load(builder.bitcast(builder.gep(start, [qdot_index(layout.values_at)]),
-                                               qdot_vector_type(QDOT_I32, words).as_pointer()), align=1)
+            builder.call(prefetch, [builder.gep(row, [at]), ir.Constant(vir.I32, 0), ir.Constant(vir.I32, 3),
+                                    ir.Constant(vir.I32, 1)])
+        stored = [builder.load(builder.bitcast(builder.gep(start, [vir.index(layout.values_at)]),
+                                               vir.vector_type(vir.I32, words).as_pointer()), align=1)
                   for start in blocks]
-        runs = [builder.bitcast(run, qdot_vector_type(QDOT_I8, 64)) for run in qdot_transposed(builder, stored)]
+        runs = [builder.bitcast(run, vir.vector_type(vir.I8, 64)) for run in qdot_transposed(builder, stored)]
 
         def activations(index, start):  # row index's 4 int8 activations from `start`, in every lane
-            block_x = builder.gep(x_rows[index], [builder.add(builder.mul(block, qdot_index(32)), qdot_index(start))])
-            word = builder.load(builder.bitcast(block_x, QDOT_I32.as_pointer()), align=1)
-            return qdot_splat_lanes(builder, word, QDOT_I32)
+            block_x = builder.gep(x_rows[index], [builder.add(builder.mul(block, vir.index(32)), vir.index(start))])
+            word = builder.load(builder.bitcast(block_x, vir.I32.as_pointer()), align=1)
+            return qdot_splat_lanes(builder, word, vir.I32)
 
-        integers = [ir.Constant(qdot_vector_type(QDOT_I32, 16), [0] * 16) for _ in samples]
+        integers = [ir.Constant(vir.vector_type(vir.I32, 16), [0] * 16) for _ in samples]
         for run, packed in enumerate(runs):
             if four_bit:  # low nibbles: values 4 run + i; high ones: 16 + 4 run + i
-                low, high = builder.and_(packed, qdot_bytes(15, 64)), builder.lshr(packed, qdot_bytes(4, 64))
+                low, high = builder.and_(packed, vir.byte_vector(15, 64)), builder.lshr(packed, vir.byte_vector(4, 64))
                 for index in range(count):
                     integers[index] = qdot_byte_dots(builder, integers[index], low, activations(index, 4 * run))
                     integers[index] = qdot_byte_dots(builder, integers[index], high,
                                                      activations(index, 16 + 4 * run))
             else:
-                unsigned = builder.xor(packed, qdot_bytes(0x80, 64))
+                unsigned = builder.xor(packed, vir.byte_vector(0x80, 64))
                 for index in range(count):
                     integers[index] = qdot_byte_dots(builder, integers[index], unsigned,
                                                      activations(index, 4 * run))
@@ -714,15 +513,15 @@ def qdot_int8_group(context, builder, signature, args, layout, count):
             block_integers = integers[index]
             if not four_bit:  # (w + 128) x summed, less 128 * sum(x)
                 block_integers = builder.sub(block_integers, qdot_splat_lanes(
-                    builder, builder.mul(total, ir.Constant(QDOT_I32, 128)), QDOT_I32))
-            block_scale = qdot_splat_lanes(builder, builder.load(builder.gep(scale_rows[index], [block])), QDOT_F32)
+                    builder, builder.mul(total, ir.Constant(vir.I32, 128)), vir.I32))
+            block_scale = qdot_splat_lanes(builder, builder.load(builder.gep(scale_rows[index], [block])), vir.F32)
             builder.store(builder.fadd(builder.load(products[index]),
                                        builder.fmul(builder.sitofp(block_integers, float_lanes),
                                                     builder.fmul(row_scales, block_scale))),
                           products[index])
             if four_bit:  # offset * the block's sum of activations, d * sum(q)
-                block_sum = builder.fmul(block_scale, qdot_splat_lanes(builder, builder.sitofp(total, QDOT_F32),
-                                                                       QDOT_F32))
+                block_sum = builder.fmul(block_scale, qdot_splat_lanes(builder, builder.sitofp(total, vir.F32),
+                                                                       vir.F32))
                 builder.store(builder.fadd(builder.load(offsets[index]), builder.fmul(row_offsets, block_sum)),
                               offsets[index])
     # a float64 model's step compiles this branch too (it never runs it): y may be float64
@@ -730,10 +529,10 @@ def qdot_int8_group(context, builder, signature, args, layout, count):
     left = builder.sub(rows, first_row)
     for index, sample in enumerate(samples):
         result = builder.fadd(builder.load(products[index]), builder.load(offsets[index]))
-        if y_element != QDOT_F32:
-            result = builder.fpext(result, qdot_vector_type(y_element, 16))
+        if y_element != vir.F32:
+            result = builder.fpext(result, vir.vector_type(y_element, 16))
         output = builder.gep(y.data, [builder.add(builder.mul(sample, rows), first_row)])
-        with builder.if_else(builder.icmp_signed(">=", left, qdot_index(QDOT_GROUP_ROWS))) as (whole, part):
+        with builder.if_else(builder.icmp_signed(">=", left, vir.index(QDOT_GROUP_ROWS))) as (whole, part):
             with whole:
                 builder.store(result, builder.bitcast(output, result.type.as_pointer()), align=4)
             with part:  # the last group of a matrix whose rows are not a multiple of 16
@@ -742,28 +541,29 @@ def qdot_int8_group(context, builder, signature, args, layout, count):
     return context.get_dummy_value()
 
 
-def int8_rows_by_16(layouts):
+def int8_rows_by_16(formats):
     """The intrinsic f(kind, count, addresses, x_values, x_scale, x_total, group, sample, y):
     y[sample + i, 16 g .. 16 g + 15] = W x[sample + i] for i < count and g = `group`, W the rows
-    whose first bytes are at `addresses` ((rows,) uint64), in the layout layouts[kind] (an
-    Int8RowLayout), and x rounded by `round_activations_q8` (x_values (B, in) int8, x_scale (B, in /
-    32) float32, x_total (B, in / 32) int32); y (B, rows) float32. kind and count are literals:
-    each call compiles that layout's and count's code alone."""
+    whose first bytes are at `addresses` ((rows,) uint64), in the format formats[kind] (a
+    WeightFormat with an int8 layout), and x rounded by `round_activations_q8` (x_values (B, in)
+    int8, x_scale (B, in / 32) float32, x_total (B, in / 32) int32); y (B, rows) float32. count is a
+    literal: each call compiles that count's code alone, a switch on the kind around it."""
 
     @intrinsic(prefer_literal=True)
     def rows_by_16(typingctx, kind, count, addresses, x_values, x_scale, x_total, group, sample, y):
-        for literal in (kind, count):
-            if not isinstance(literal, types.IntegerLiteral):
-                raise TypeError(f"an int8 group's kind and count are literal integers, not {literal}")
-        if kind.literal_value not in layouts:
-            raise TypeError(f"kind {kind.literal_value} has no int8 row layout")
-        if not isinstance(addresses, types.Array) or addresses.ndim != 1 or addresses.dtype != types.uint64:
-            raise TypeError(f"a group's rows are given by a 1-D uint64 array of addresses, not {addresses}")
+        stored_integer(kind)
+        if not isinstance(count, types.IntegerLiteral):
+            raise TypeError(f"an int8 group's count is a literal integer, not {count}")
+        stored_addresses(addresses)
         qdot_check(x_values, x_scale, x_total, y)
-        layout, samples = layouts[kind.literal_value], count.literal_value
-        return (types.none(kind, count, addresses, x_values, x_scale, x_total, group, sample, y),
-                lambda context, builder, signature, args: qdot_int8_group(context, builder, signature, args,
-                                                                          layout, samples))
+        samples = count.literal_value
+
+        def codegen(context, builder, signature, args):
+            stored_kinds(builder, args[0], formats,
+                         lambda _, format: qdot_int8_group(context, builder, signature, args, format, samples))
+            return context.get_dummy_value()
+
+        return types.none(kind, count, addresses, x_values, x_scale, x_total, group, sample, y), codegen
 
     return rows_by_16
 

@@ -14,9 +14,9 @@ from collections.abc import Callable
 import numpy as np
 
 from pyml.errors import PymlError
-from pyml.formats.quant import GGMLType
+from pyml.weight_formats import GGMLType
 from pyml.formats.stored_tensors import StoredTensor
-from pyml.package.decode_cpu import ROW_KIND_OF, stored_weight
+from pyml.package.decode_cpu import READ_IN_PLACE, ROW_KINDS, stored_weight
 
 
 def tensor_of(tensors: dict[str, StoredTensor], pattern: str, layer: int) -> StoredTensor:
@@ -29,7 +29,7 @@ def tensor_of(tensors: dict[str, StoredTensor], pattern: str, layer: int) -> Sto
 def read_in_place(tensor: StoredTensor) -> StoredTensor:
     """`tensor` as the kernels can read it: itself, or its float32 rows where they take no rows of
     its type (Q5_1, Q2_K, Q3_K: that tensor alone is then a float32 copy)."""
-    if tensor.ggml_type in ROW_KIND_OF:
+    if tensor.ggml_type in READ_IN_PLACE:
         return tensor
     rows = np.ascontiguousarray(tensor.dense(np.float32))
     return StoredTensor(tensor.name, GGMLType.F32, rows.shape, rows.reshape(-1).view(np.uint8), None)
@@ -58,7 +58,7 @@ def stored_rows(tensors: dict[str, StoredTensor], parts: tuple, n_layers: int, k
             tensor = prepare(tensor)
             kept.append(tensor.data)
             order = tensor.row_order if tensor.row_order is not None else np.arange(last - first)
-            kinds[layer, first:last] = ROW_KIND_OF[tensor.ggml_type]
+            kinds[layer, first:last] = tensor.ggml_type
             addresses[layer, first:last] = (np.uint64(tensor.data.ctypes.data)
                                             + order.astype(np.uint64) * np.uint64(tensor.row_bytes))
             formats.add(tensor.ggml_type.name)
@@ -68,8 +68,8 @@ def stored_rows(tensors: dict[str, StoredTensor], parts: tuple, n_layers: int, k
 def read_as_stored(tensor: StoredTensor) -> StoredTensor:
     """`tensor`, whose type the kernels must read where it is stored: a LoRA run over a stored base
     refuses a type they do not take rather than hold a float32 copy of it unasked."""
-    if tensor.ggml_type not in ROW_KIND_OF:
-        taken = ", ".join(kind.name for kind in ROW_KIND_OF if kind != GGMLType.F64)
+    if tensor.ggml_type not in READ_IN_PLACE:
+        taken = ", ".join(GGMLType(kind).name for kind in sorted(ROW_KINDS))
         raise PymlError(f"{tensor.name} is stored {tensor.ggml_type.name}, which LoRA over the base as "
                         f"stored does not read (it reads {taken}); convert the GGUF first, e.g. `pyml "
                         "export-gguf FOLDER --out FILE --type q4_k_m` and `pyml import-gguf FILE`")

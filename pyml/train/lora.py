@@ -34,7 +34,7 @@ from pyml.formats.model_folder import (
     SPEC_FILE,
     is_model_folder,
 )
-from pyml.formats.quant import GGMLType
+from pyml.weight_formats import GGMLType
 from pyml.formats.safetensors_io import read_safetensors, write_safetensors
 from pyml.formats.stored_tensors import StoredFolder
 from pyml.outputs import atomic_write, check_destination, os_error, written_folder
@@ -229,8 +229,7 @@ class RequantizationError:
         self.types: set[str] = set()
 
     def measured(self, values: np.ndarray, kind: GGMLType) -> np.ndarray:
-        from pyml.formats.quant import dequantize
-        from pyml.formats.quantize import ENCODABLE, quantize
+        from pyml.weight_formats import ENCODABLE, dequantize, quantize
 
         if kind in ENCODABLE and len(values.shape) == 2 and kind not in (GGMLType.F32,):
             encoded = quantize(values, kind)

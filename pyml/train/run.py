@@ -21,7 +21,7 @@ import numpy as np
 
 from pyml.errors import PymlError
 from pyml.formats.model_folder import SPEC_FILE, folder_files
-from pyml.formats.quant import GGMLType
+from pyml.weight_formats import GGMLType
 from pyml.formats.stored_tensors import StoredFolder, size_text, stored_weights
 from pyml.outputs import check_destination
 from pyml.packages import package_for

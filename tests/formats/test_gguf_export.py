@@ -26,8 +26,7 @@ from pyml.formats.gguf_architectures import unpermute_rotary_rows
 from pyml.formats.gguf_export import export_gguf
 from pyml.formats.gguf_import import import_gguf
 from pyml.formats.gguf_read import read_gguf
-from pyml.formats.quant import GGMLType
-from pyml.formats.quantize import quantize
+from pyml.weight_formats import GGMLType, quantize
 from pyml.formats.safetensors_io import write_safetensors
 from pyml.formats.stored_tensors import StoredFolder
 from tests.support.model_folders import GEMMA, LLAMA, llama_cpp_permute, tiny_folder, write_gguf, transformers_folder

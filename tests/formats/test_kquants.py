@@ -24,8 +24,7 @@ from pyml.formats.gguf_architectures import architecture_of
 from pyml.formats.gguf_export import export_gguf, tensor_type, use_more_bits
 from pyml.formats.gguf_import import import_gguf
 from pyml.formats.gguf_read import read_gguf
-from pyml.formats.quant import BLOCK_LAYOUT, GGMLType, dequantize
-from pyml.formats.quantize import quantize
+from pyml.weight_formats import FORMATS, GGMLType, dequantize, quantize
 from pyml.formats.stored_tensors import StoredFolder
 from pyml.generate.decoding import load_model
 from tests.support.llama_cpp_reference import llama_cpp_module
@@ -168,7 +167,7 @@ def test_the_bytes_are_llama_cpps(ggml_type, kind):
     ggml.ggml_quantize_chunk(int(ggml_type), weight.ctypes.data, theirs.ctypes.data, 0,
                              weight.shape[0], weight.shape[1], None)
     np.testing.assert_array_equal(ours, theirs)
-    assert BLOCK_LAYOUT[ggml_type][1] * weight.size // BLOCK_LAYOUT[ggml_type][0] == ours.size
+    assert FORMATS[ggml_type].block_bytes * weight.size // FORMATS[ggml_type].block_values == ours.size
 
 
 def test_llama_quantize_of_our_f32_export_is_our_q4_k_m_export(kquant_folder, tmp_path):

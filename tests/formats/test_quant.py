@@ -9,7 +9,7 @@ import pytest
 from gguf.quants import dequantize as reference_dequantize
 
 from pyml.formats import gemma3_gguf, smollm2_gguf
-from pyml.formats.quant import BLOCK_LAYOUT, GGMLType, dequantize, tensor_nbytes
+from pyml.weight_formats import FORMATS, GGMLType, dequantize, tensor_nbytes
 
 
 def same_bits(ours: np.ndarray, reference: np.ndarray) -> bool:
@@ -23,11 +23,11 @@ def same_bits(ours: np.ndarray, reference: np.ndarray) -> bool:
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")  # the reference on NaN scales
 @pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning")
 @pytest.mark.parametrize("seed", range(3))
-@pytest.mark.parametrize("ggml_type", list(BLOCK_LAYOUT), ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", list(FORMATS), ids=lambda t: t.name)
 def test_random_blocks_match_reference(ggml_type, seed):
     # Random bytes reach every float16 scale, including subnormals, infinities and NaNs, and every
     # packed integer.
-    values_per_block, bytes_per_block = BLOCK_LAYOUT[ggml_type]
+    values_per_block, bytes_per_block = FORMATS[ggml_type].block_values, FORMATS[ggml_type].block_bytes
     rows, columns = 37, 2 * 256
     raw = np.random.default_rng([ggml_type.value, seed]).integers(
         0, 256, size=(rows, columns // values_per_block * bytes_per_block), dtype=np.uint8
@@ -36,11 +36,11 @@ def test_random_blocks_match_reference(ggml_type, seed):
     assert same_bits(ours, reference_dequantize(raw, gguf.GGMLQuantizationType(ggml_type.value)))
 
 
-@pytest.mark.parametrize("ggml_type", [t for t in BLOCK_LAYOUT if BLOCK_LAYOUT[t][0] > 1], ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", [t for t in FORMATS if FORMATS[t].block_values > 1], ids=lambda t: t.name)
 def test_random_blocks_with_ordinary_scales_match_reference(ggml_type):
     # Every float16 in the block set to an ordinary scale (0.001 to 1, either sign), so that the
     # values are finite and every bit of them is compared.
-    values_per_block, bytes_per_block = BLOCK_LAYOUT[ggml_type]
+    values_per_block, bytes_per_block = FORMATS[ggml_type].block_values, FORMATS[ggml_type].block_bytes
     rng = np.random.default_rng(ggml_type.value)
     raw = rng.integers(0, 256, size=(64, bytes_per_block), dtype=np.uint8)
     scales = (rng.choice([-1, 1], 64) * 10 ** rng.uniform(-3, 0, 64)).astype(np.float16)

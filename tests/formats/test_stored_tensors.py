@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from pyml.errors import PymlError
 from pyml.formats.gguf_export import export_gguf
 from pyml.formats.gguf_import import load_gguf_tensors
-from pyml.formats.quant import GGMLType
+from pyml.weight_formats import GGMLType
 from pyml.formats.stored_tensors import StoredFolder
 from tests.support.model_folders import GEMMA, LLAMA, tiny_folder, write_gguf
 

@@ -25,18 +25,11 @@ from gguf import GGMLQuantizationType as GGML
 
 from pyml import exact
 from pyml.errors import PymlError
-from pyml.formats.quant import GGMLType
 from pyml.generate.quantized import QuantizedDecoder, check_weights
 from pyml.generate.stored_step import with_int8_activations
 from pyml.package import quantized_dot
-from pyml.package.decode_cpu import (
-    Q4_1_X8,
-    ROW_KIND_OF,
-    ROW_Q4_K,
-    linear_stored,
-    row_addresses,
-    stored_weight,
-)
+from pyml.package.decode_cpu import INT8_LAYER_KIND_OF, linear_stored, row_addresses, stored_weight
+from pyml.weight_formats import FORMATS
 from tests.support.llama_tiny_reference import reference_logits
 from tests.support.project_packages import project_package
 from tests.support.quantized_cases import exact_weights, gguf_weights
@@ -44,13 +37,14 @@ from tests.support.quantized_cases import exact_weights, gguf_weights
 tiny = project_package("llama_tiny").model
 decode_cpu_step = importlib.import_module(project_package("llama_tiny").__name__ + ".decode_cpu")
 
-INT8_TYPES = (GGML.Q8_0, GGML.Q4_0, GGML.Q4_1)  # the formats --activations q8_0 runs
+# the formats --activations q8_0 runs
+INT8_TYPES = tuple(GGML(int(t)) for t, f in FORMATS.items() if f.int8 is not None)
 
 
 def stored_layers(layers, rows):
     """The stored form of layers given as (GGUF bytes, type) of `rows` rows each (the caller keeps
     the bytes)."""
-    kinds = np.stack([np.full(rows, ROW_KIND_OF[GGMLType(int(ggml))]) for _, ggml in layers])
+    kinds = np.stack([np.full(rows, int(ggml)) for _, ggml in layers])
     return stored_weight(kinds, np.stack([row_addresses(raw, rows) for raw, _ in layers]))
 
 
@@ -92,7 +86,7 @@ def test_int8_layers_share_a_stack_with_float_activation_layers():
     rows, columns = 37, 256
     layers = [(*exact_weights(ggml, rows, columns, rng), ggml) for ggml in (GGML.Q4_1, GGML.Q4_K)]
     weight = with_int8_activations(stored_layers([(raw, ggml) for raw, _, ggml in layers], rows))
-    assert weight[2].tolist() == [Q4_1_X8, ROW_Q4_K]
+    assert weight[2].tolist() == [INT8_LAYER_KIND_OF[int(GGML.Q4_1)], int(GGML.Q4_K)]
     # int8-exact activations for the Q4_1 layer; small ones for Q4_K, whose products are larger
     inputs = (exact_int8_input(rng, columns), rng.integers(-8, 9, (1, columns)))
     for layer, ((_, weights, _), x) in enumerate(zip(layers, inputs)):
@@ -166,9 +160,8 @@ def test_int8_activation_rows_on_real_weights(ggml):
 VECTOR_IR_CHOICE = """
 import numpy as np
 from pyml.package import quantized_dot
-from pyml.package.decode_cpu import ROW_KIND_OF, linear_stored, row_addresses, stored_weight
-from pyml.formats.quant import GGMLType
-from pyml.formats.quantize import quantize
+from pyml.package.decode_cpu import linear_stored, row_addresses, stored_weight
+from pyml.weight_formats import GGMLType, quantize
 from pyml.generate.stored_step import with_int8_activations
 rng = np.random.default_rng(5)
 rows, columns = 21, 32 * 7
@@ -176,7 +169,7 @@ x = rng.normal(0, 1, (1, columns)).astype(np.float32)
 bits = []
 for ggml in (GGMLType.Q4_1, GGMLType.Q8_0):
     raw = quantize(rng.normal(0, 0.05, (rows, columns)).astype(np.float32), ggml).reshape(-1)
-    weight = stored_weight(np.full((1, rows), ROW_KIND_OF[ggml]), row_addresses(raw, rows)[None])
+    weight = stored_weight(np.full((1, rows), int(ggml)), row_addresses(raw, rows)[None])
     weight = with_int8_activations(weight)
     y = np.zeros((1, rows), np.float32)
     linear_stored(weight, 0, x, y)
@@ -208,8 +201,7 @@ def test_vnni_and_generic_vector_code_give_the_same_bits():
 def dequantize_linear_weights(model, weights):
     """Replace each weight the step quantizes to `weights` by the dequantization of its blocks,
     so that a float forward on the model runs the weights the step runs."""
-    from pyml.formats.quant import dequantize
-    from pyml.formats.quantize import quantize
+    from pyml.weight_formats import dequantize, quantize
     from pyml.generate.quantized import QUANTIZE_TO
 
     target, views = QUANTIZE_TO[weights], tiny.Model.tensors(model.params)
@@ -279,7 +271,8 @@ def test_weights_the_fused_step_does_not_know_are_refused_in_one_line():
 
 # -- a batch of sequences (`pyml serve`): each sequence's bits do not depend on the batch ----------
 
-ROW_TYPES = (GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q4_K, GGML.Q6_K, GGML.F32, GGML.F16, GGML.BF16)
+# every format the step reads where it is stored
+ROW_TYPES = tuple(GGML(int(t)) for t, f in FORMATS.items() if f.row_values is not None)
 
 
 @pytest.mark.parametrize("ggml, int8", [*((t, False) for t in ROW_TYPES), *((t, True) for t in INT8_TYPES)],

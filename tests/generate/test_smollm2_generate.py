@@ -83,13 +83,14 @@ def test_cli_generate_rejects_bad_input_in_one_line(args, message):
 
 
 def test_fused_step_keeps_the_gguf_blocks(run):
-    from pyml.package.decode_cpu import ROW_Q4_1, ROW_Q8_0
+    from pyml.weight_formats import GGMLType
 
     kinds = {prefix: set(np.unique(weight[0]).tolist()) for prefix, weight in run.fused.weights.items()
              if prefix != "embed"}
     # the shipped file: Q4_1 projections, the tied head in Q8_0 (the embedding's own type)
-    assert kinds == {"self_attn_qkv": {ROW_Q4_1}, "self_attn_o": {ROW_Q4_1},
-                     "mlp_gate_up": {ROW_Q4_1}, "mlp_down": {ROW_Q4_1}, "lm_head": {ROW_Q8_0}}
+    q4_1, q8_0 = GGMLType.Q4_1, GGMLType.Q8_0  # a row's kind is its format's type id
+    assert kinds == {"self_attn_qkv": {q4_1}, "self_attn_o": {q4_1},
+                     "mlp_gate_up": {q4_1}, "mlp_down": {q4_1}, "lm_head": {q8_0}}
 
 
 def test_fused_decode_steps_match_the_float32_forward_on_the_same_weights(run, chat_ids):

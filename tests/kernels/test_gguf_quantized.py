@@ -14,10 +14,10 @@ import pytest
 from gguf import GGMLQuantizationType as GGML
 
 from pyml.errors import PymlError
-from pyml.formats.gguf_quantized import BLOCKS, quantized_matrix
-from pyml.package.decode_cpu import ROW_KIND_OF, linear_stored, row_addresses, stored_weight
-from pyml.formats.quant import GGMLType
+from pyml.formats.gguf_quantized import quantized_matrix
+from pyml.package.decode_cpu import linear_stored, row_addresses, stored_weight
 from tests.support.quantized_cases import (
+    BLOCKS,
     TYPES,
     assert_within_float32_sum,
     exact_weights,
@@ -75,7 +75,7 @@ def test_smollm2_weights(name):
     ggml = GGML(int(tensor.ggml_type))
     raw = np.array(tensor.data[: rows * columns // BLOCKS[ggml][0] * BLOCKS[ggml][1]])
     x = np.random.default_rng(0).normal(0, 1, (3, columns)).astype(np.float32)
-    weight = stored_weight(np.full((1, rows), ROW_KIND_OF[GGMLType(int(ggml))]), row_addresses(raw, rows)[None])
+    weight = stored_weight(np.full((1, rows), int(ggml)), row_addresses(raw, rows)[None])
     y = np.zeros((3, rows), np.float32)
     for n in range(3):
         linear_stored(weight, 0, x[n : n + 1], y[n : n + 1])

@@ -19,12 +19,10 @@ from gguf import GGMLQuantizationType as GGML
 from gguf.quants import quantize
 
 from pyml import exact
-from pyml.formats.quant import GGMLType, dequantize
 from pyml.package.decode_cpu import (
     INT8_LAYER_KIND_OF,
-    Q8_0_X8,
     ROW_F64,
-    ROW_KIND_OF,
+    dequantize_stored_rows,
     embedding_stored,
     linear_stored,
     row_addresses,
@@ -36,9 +34,11 @@ from tests.support.quantized_cases import (
     exact_weights,
     real_weights,
 )
+from pyml.weight_formats import FORMATS, GGMLType, dequantize
 
-QUANTIZED = (GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q4_K, GGML.Q5_K, GGML.Q6_K)
-FLOATS = (GGML.F32, GGML.F16, GGML.BF16)
+# every format the step reads where it is stored (each with a row loop), quantized ones first
+QUANTIZED = tuple(GGML(int(t)) for t, f in FORMATS.items() if f.row_values is not None and f.block_values > 1)
+FLOATS = tuple(GGML(int(t)) for t, f in FORMATS.items() if f.row_values is not None and f.block_values == 1)
 KINDS = QUANTIZED + FLOATS
 # Gemma 3's embedding scale, sqrt(640), rounded to float32 as the step is given it
 GEMMA_SCALE = np.float32(25.298221281347036)
@@ -83,7 +83,7 @@ def decoded(raw: np.ndarray, ggml: GGML, rows: int, columns: int) -> np.ndarray:
 
 def one_layer(raw: np.ndarray, ggml: GGML, rows: int) -> tuple:
     """The stored form of one layer of `rows` rows of kind `ggml` in `raw` (the caller keeps it)."""
-    return stored_weight(np.full((1, rows), ROW_KIND_OF[ggml]), row_addresses(raw, rows)[None])
+    return stored_weight(np.full((1, rows), int(ggml)), row_addresses(raw, rows)[None])
 
 
 def run(weight: tuple, layer: int, x: np.ndarray) -> np.ndarray:
@@ -99,13 +99,27 @@ def exact_mat_vecs(weights: np.ndarray, x: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("ggml", KINDS, ids=lambda t: t.name)
 def test_each_kind_equals_the_exact_mat_vec(ggml):
     rng = np.random.default_rng(1)
-    # two blocks a row; float rows of 83 values: 64, then 16, then 3 one by one
-    rows, columns = 5, 2 * values_per_block(ggml) if ggml in BLOCKS else 83
+    # two blocks a row; float rows of 83 values: 64, then 16, then 3 one by one; 37 rows: two whole
+    # parts of 16 rows (the parallel loop's iterations) and part of a third
+    rows, columns = 37, 2 * values_per_block(ggml) if ggml in BLOCKS else 83
     raw, weights = exact_rows(ggml, rows, columns, rng)
     assert np.array_equal(decoded(raw, ggml, rows, columns), weights)  # the encoder is right
     x = rng.integers(-8, 9, (5, columns))
     y = run(one_layer(raw, ggml, rows), 0, x.astype(np.float32))
     assert np.array_equal(y, exact_mat_vecs(weights, x))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("ggml", KINDS, ids=lambda t: t.name)
+def test_each_kinds_tiles_are_its_dequantized_rows(ggml, dtype):
+    """A LoRA base's tiles (QLoRA's frozen maps): rows 3 .. 36 of 37, two whole parts of 16 and
+    part of a third, are the format's dequantized rows, bit for bit (float64: converted exactly)."""
+    rng = np.random.default_rng(3)
+    rows, columns = 37, 512 if ggml in BLOCKS else 83
+    raw = real_rows(ggml, rows, columns, rng)
+    tile = np.full((rows - 3, columns), np.nan, dtype)
+    dequantize_stored_rows(one_layer(raw, ggml, rows), 0, 3, tile)
+    assert np.array_equal(tile, decoded(raw, ggml, rows, columns)[3:].astype(dtype))
 
 
 @pytest.mark.parametrize("ggml", KINDS, ids=lambda t: t.name)
@@ -129,7 +143,7 @@ def mixed_layer(kinds, per_kind: int, columns: int, rng, exact_values: bool):
             raw = real_rows(ggml, per_kind, columns, rng)
             weights = decoded(raw, ggml, per_kind, columns).astype(np.float64)
         kept.append(raw)
-        row_kinds += [ROW_KIND_OF[ggml]] * per_kind
+        row_kinds += [int(ggml)] * per_kind
         addresses.append(row_addresses(raw, per_kind))
         matrices.append(weights)
     order = rng.permutation(len(row_kinds))
@@ -189,10 +203,10 @@ def test_int8_activation_layers_beside_layers_read_in_place(ggml):
     rows, columns = 37, 256
     raw, other = real_rows(ggml, rows, columns, rng), real_rows(GGML.Q6_K, rows, columns, rng)
     in_place = stored_weight(
-        np.stack([np.full(rows, ROW_KIND_OF[ggml]), np.full(rows, ROW_KIND_OF[GGML.Q6_K])]),
+        np.stack([np.full(rows, int(ggml)), np.full(rows, int(GGML.Q6_K))]),
         np.stack([row_addresses(raw, rows), row_addresses(other, rows)]))
     stored = with_int8_activations(in_place)
-    assert stored[2].tolist() == [INT8_LAYER_KIND_OF[ROW_KIND_OF[ggml]], ROW_KIND_OF[GGML.Q6_K]]
+    assert stored[2].tolist() == [INT8_LAYER_KIND_OF[int(ggml)], int(GGML.Q6_K)]
     assert stored[0] is in_place[0] and stored[1] is in_place[1]
     weights = decoded(raw, ggml, rows, columns).astype(np.float64)
     for batch in (1, 4, 5, 13):
@@ -229,8 +243,9 @@ def test_an_embedding_refuses_ids_outside_its_table():
 
 
 def test_the_stored_form_refuses_what_it_cannot_read():
-    with pytest.raises(ValueError, match=r"row kinds \[5\] are not read where they are stored"):
-        stored_weight(np.full((1, 2), Q8_0_X8), np.zeros((1, 2), np.uint64))  # a layer's kind, no row's
+    layer_kind = INT8_LAYER_KIND_OF[GGMLType.Q8_0]  # a layer's kind, no row's
+    with pytest.raises(ValueError, match=rf"row kinds \[{layer_kind}\] are not read where they are stored"):
+        stored_weight(np.full((1, 2), layer_kind), np.zeros((1, 2), np.uint64))
     with pytest.raises(ValueError, match="one \\(layers, rows\\) shape"):
         stored_weight(np.zeros((1, 2)), np.zeros((2, 1), np.uint64))
 

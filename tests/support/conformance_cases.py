@@ -540,8 +540,8 @@ def case_frozen_linear_stored(seed: int, kinds: tuple[str, ...], dtype):
     (several: a layer of mixed rows), block scales 1: W is the exact model's matrix of the rows'
     dequantized values. float64 runs the tiles' BLAS products; float32 with few rows the decode
     step's row products (exact too: every partial sum is a small integer)."""
-    from pyml.formats.quant import GGMLType, dequantize
-    from pyml.package.decode_cpu import ROW_KIND_OF, row_addresses, stored_weight
+    from pyml.weight_formats import GGMLType, dequantize
+    from pyml.package.decode_cpu import row_addresses, stored_weight
     from pyml.package.stored_rows import StoredRows
 
     d = Draw(seed)
@@ -554,7 +554,7 @@ def case_frozen_linear_stored(seed: int, kinds: tuple[str, ...], dtype):
     for kind, row, raw in zip(row_kinds, values, rows, strict=True):  # the bytes mean W
         assert np.array_equal(dequantize(raw, GGMLType[kind], (k,)), row), kind
     addresses = np.array([row_addresses(raw, 1)[0] for raw in rows], np.uint64)
-    weight = stored_weight(np.array([[ROW_KIND_OF[GGMLType[kind]] for kind in row_kinds]]),
+    weight = stored_weight(np.array([[GGMLType[kind] for kind in row_kinds]]),
                            addresses[None, :])
     w = StoredRows(weight, 0, (m, k), dtype, "/".join(sorted(set(row_kinds))))
     x, g = d.ints(n, k).astype(dtype), d.ints(n, m).astype(dtype)

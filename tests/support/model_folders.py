@@ -17,8 +17,7 @@ import gguf
 import numpy as np
 
 from pyml.formats.gguf_import import import_gguf
-from pyml.formats.quant import GGMLType
-from pyml.formats.quantize import quantize
+from pyml.weight_formats import GGMLType, quantize
 from pyml.formats.safetensors_io import write_safetensors
 from pyml.formats.stored_tensors import StoredFolder
 from pyml.spec import load_spec

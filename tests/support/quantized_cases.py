@@ -22,14 +22,14 @@ from gguf import GGMLQuantizationType as GGML
 from gguf.quants import dequantize, quantize
 
 from pyml import exact
-from pyml.formats.gguf_quantized import BLOCKS as CUDA_BLOCKS
 from pyml.formats.gguf_quantized import quantized_matrix
-from pyml.formats.quant import GGMLType
+from pyml.weight_formats import FORMATS, GGMLType
 from pyml.generate.cuda_weights import STEP_KINDS, kept_arrays, weight_tuple
 from pyml.package.decode_cuda import DENSE
 
-# values and bytes per block of each quantized type the CPU reads as stored (CUDA's and Q5_K)
-BLOCKS = CUDA_BLOCKS | {GGML.Q5_K: (256, 176)}
+# values and bytes per block of each quantized type the CPU reads as stored
+BLOCKS = {GGML(int(ggml_type)): (format.block_values, format.block_bytes) for ggml_type, format in FORMATS.items()
+          if format.row_values is not None and format.block_values > 1}
 
 TYPES = (GGML.Q8_0, GGML.Q4_0, GGML.Q4_1, GGML.Q4_K, GGML.Q6_K)  # the types of the shipped GGUFs
 # float32 unit roundoff: a sum of K products is within K * UNIT * sum |w x| of the exact one

@@ -3,7 +3,7 @@ above it. Every `import` and `from ... import` of pyml counts, at module level o
 function, so a circle cannot hide behind a lazy import.
 
     errors, outputs, cache, project, thread_pools   (the base)
-    spec, formats, laws, exact                 (what a model is; its files)
+    spec, formats, weight_formats, laws, exact (what a model is; its files; how weights are stored)
     package                                    (what generated code imports)
     codegen                                    (spec -> generated code that imports package)
     packages                                   (spec -> a generated package, via the cache)
@@ -27,7 +27,7 @@ PYML = Path(__file__).resolve().parents[2] / "pyml"
 # the stages, lowest first; a module may import its own stage and the ones before it
 STAGES = [
     {"errors", "outputs", "cache", "project", "thread_pools"},
-    {"spec", "formats", "laws", "exact"},
+    {"spec", "formats", "weight_formats", "laws", "exact"},
     {"package"},
     {"codegen"},
     {"packages", "prove"},

@@ -46,8 +46,9 @@ def test_cache_list_counts_each_packages_compiled_code_and_all_of_numbas(tmp_pat
 
 def test_a_shared_kernels_entry_is_stamped_with_every_module_of_the_package(tmp_path, monkeypatch):
     """Numba stamps a cached function with its own source file alone, but `linear_stored`'s machine
-    code holds quantized_dot's intrinsics: pyml/package's entries carry a digest of the whole
-    package, which changes with any of its files, so an edit there cannot leave a stale kernel."""
+    code holds quantized_dot's intrinsics and the formats' row loops: pyml/package's entries carry a
+    digest of the whole package and of pyml/weight_formats, which changes with any of their files,
+    so an edit there cannot leave a stale kernel."""
     import shutil
 
     from numba.core.caching import FunctionCache
@@ -67,14 +68,16 @@ def test_a_shared_kernels_entry_is_stamped_with_every_module_of_the_package(tmp_
     digest = numba_cache.package_sources_digest()
     assert not (isinstance(outside_stamp, tuple) and outside_stamp[-1] == digest)  # Numba's own elsewhere
 
-    copy = tmp_path / "package"
-    shutil.copytree(numba_cache.PACKAGE_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    monkeypatch.setattr(numba_cache, "PACKAGE_DIR", copy)
+    for name in ("PACKAGE_DIR", "WEIGHT_FORMATS_DIR"):
+        folder = getattr(numba_cache, name)
+        shutil.copytree(folder, tmp_path / folder.name, ignore=shutil.ignore_patterns("__pycache__"))
+        monkeypatch.setattr(numba_cache, name, tmp_path / folder.name)
     digests = []
-    for edit in (None, "quantized_dot.py", "cpu/rope.py"):
+    # the formats' row loops are compiled into the package's kernels too
+    for edit in (None, "package/quantized_dot.py", "package/cpu/rope.py", "weight_formats/q4_k.py"):
         if edit is not None:
-            (copy / edit).write_text((copy / edit).read_text() + "\n# edited\n")
+            (tmp_path / edit).write_text((tmp_path / edit).read_text() + "\n# edited\n")
         numba_cache.package_sources_digest.cache_clear()
         digests.append(numba_cache.package_sources_digest())
     numba_cache.package_sources_digest.cache_clear()
-    assert len(set(digests)) == 3
+    assert len(set(digests)) == 4

@@ -6,7 +6,7 @@ tile of rows at a time into a scratch (`TILE_VALUES` values) and each tile is mu
 so the whole matrix never exists in float. Dequantizing is cheap (4-5 G values/s here); what
 costs is BLAS on narrow tiles, which packs x again for each: tiles of 2 MiB made a 1.5B model's
 products 10-60% slower than one product of the whole matrix, tiles of 32 MiB 2-11% (2026-12-06,
-a 1536 x 8960 and a 17920 x 1536 Q8_0 matrix, 512 rows of x). The tile's values are pyml.formats.quant.dequantize's (in
+a 1536 x 8960 and a 17920 x 1536 Q8_0 matrix, 512 rows of x). The tile's values are pyml.weight_formats.dequantize's (in
 float32, converted to the model's dtype), so the map is exactly the linear map of the
 dequantized matrix (the data the Lean laws' instances name). A few rows (decoding a token) take
 the decode step's row products instead (`linear_stored`), which read each stored row once.

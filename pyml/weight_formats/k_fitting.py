@@ -1,4 +1,5 @@
-"""The K-quant encoders (Q4_K, Q5_K, Q6_K): llama.cpp's reference quantisers, step for step.
+"""The fitting the K-quant quantizers (q4_k, q5_k, q6_k) share: llama.cpp's reference quantisers,
+step for step.
 
 A K-quant block holds 256 values in sub-blocks (8 of 32 for Q4_K and Q5_K, 16 of 16 for Q6_K).
 llama.cpp (ggml-quants.c, `quantize_row_q{4,5,6}_K_ref`, which `llama-quantize` runs when no
@@ -144,7 +145,7 @@ def _fit_qkx2(sub_blocks, nmax, rmin, rdelta, nstep):
 
 
 @njit(cache=True, parallel=True)
-def _fit_qx(sub_blocks, nmax):
+def fit_qx(sub_blocks, nmax):
     """Every 16-value sub-block's symmetric scale and levels, by `_qx_fit`."""
     count = sub_blocks.shape[0]
     scales = np.empty(count, np.float32)
@@ -154,11 +155,11 @@ def _fit_qx(sub_blocks, nmax):
     return scales, levels
 
 
-def _rint(values: np.ndarray) -> np.ndarray:
+def rint(values: np.ndarray) -> np.ndarray:
     return np.rint(values).astype(np.int32)
 
 
-def _half(values: np.ndarray) -> np.ndarray:
+def to_half(values: np.ndarray) -> np.ndarray:
     """float32 rounded to float16 (to nearest, ties to even, as GGML_FP32_TO_FP16), as float32."""
     return values.astype(np.float16).astype(np.float32)
 
@@ -167,11 +168,11 @@ def _requantize(blocks, step, offset, levels, nmax):
     """The levels with the decoding step and offset (blocks, sub-blocks, 1): nearest_int((x +
     offset) / step) clamped to [0, nmax]; a sub-block whose step is 0 keeps the fit's levels."""
     with np.errstate(divide="ignore", invalid="ignore"):
-        again = np.clip(_rint((blocks + offset) / step), 0, nmax)
+        again = np.clip(rint((blocks + offset) / step), 0, nmax)
     return np.where(step != 0, again, levels)
 
 
-def _k_scales(blocks: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int):
+def k_scales(blocks: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int):
     """The sub-block fits of Q4_K (nmax 15) or Q5_K (31), their 6-bit scales and mins packed as
     the format keeps them, d and dmin, and every value's level (blocks, 8, 32)."""
     sub_blocks = blocks.reshape(-1, 32)
@@ -183,63 +184,16 @@ def _k_scales(blocks: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: 
         inv_scale = np.where(max_scale > 0, F32(63) / max_scale, F32(0))
         inv_min = np.where(max_min > 0, F32(63) / max_min, F32(0))
     # uint8 of the nearest int (a negative one wraps, as in C), then at most 63
-    ls = np.minimum(_rint(inv_scale * scales) & 0xFF, 63).astype(np.uint8)
-    lm = np.minimum(_rint(inv_min * mins) & 0xFF, 63).astype(np.uint8)
+    ls = np.minimum(rint(inv_scale * scales) & 0xFF, 63).astype(np.uint8)
+    lm = np.minimum(rint(inv_min * mins) & 0xFF, 63).astype(np.uint8)
     packed = np.zeros((len(blocks), 12), np.uint8)
     packed[:, 0:4], packed[:, 4:8] = ls[:, :4], lm[:, :4]
     packed[:, 8:12] = (ls[:, 4:] & 0xF) | ((lm[:, 4:] & 0xF) << 4)
     packed[:, 0:4] |= (ls[:, 4:] >> 4) << 6
     packed[:, 4:8] |= (lm[:, 4:] >> 4) << 6
-    d, dmin = _half(max_scale / F32(63)), _half(max_min / F32(63))
+    d, dmin = to_half(max_scale / F32(63)), to_half(max_min / F32(63))
     step = (d * ls.astype(np.float32))[:, :, None]
     offset = (dmin * lm.astype(np.float32))[:, :, None]
     levels = _requantize(blocks.reshape(-1, 8, 32), step, offset, levels.reshape(-1, 8, 32), nmax)
     halves = np.concatenate([d, dmin], axis=1).astype(np.float16).view(np.uint8)
     return halves, packed, levels.astype(np.uint8).reshape(-1, 256)
-
-
-def q4_k(blocks: np.ndarray) -> np.ndarray:
-    """(n, 256) float32 -> (n, 144) Q4_K blocks: d, dmin, 12 bytes of scales and mins, and the
-    levels as nibbles, values j and j + 32 of each 64 sharing a byte."""
-    halves, packed, levels = _k_scales(blocks, 15, -1.0, 0.1, 20)
-    pairs = levels.reshape(-1, 4, 2, 32)
-    nibbles = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(-1, 128)
-    return np.concatenate([halves, packed, nibbles], axis=1)
-
-
-def q5_k(blocks: np.ndarray) -> np.ndarray:
-    """(n, 256) float32 -> (n, 176) Q5_K blocks: Q4_K's, with the fifth bit of value j + 64 i
-    (and of j + 64 i + 32) in bit 2 i (2 i + 1) of byte j of 32."""
-    halves, packed, levels = _k_scales(blocks, 31, -0.5, 0.1, 15)
-    pairs = levels.reshape(-1, 4, 2, 32)
-    nibbles = ((pairs[:, :, 0] & 0xF) | ((pairs[:, :, 1] & 0xF) << 4)).reshape(-1, 128)
-    fifth = (pairs >> 4).astype(np.uint8)  # (n, 4, 2, 32)
-    shifts = (2 * np.arange(4)[:, None] + np.arange(2)[None, :]).astype(np.uint8)[None, :, :, None]
-    high = np.bitwise_or.reduce((fifth << shifts).reshape(-1, 8, 32), axis=1)
-    return np.concatenate([halves, packed, high, nibbles], axis=1)
-
-
-def q6_k(blocks: np.ndarray) -> np.ndarray:
-    """(n, 256) float32 -> (n, 210) Q6_K blocks: 128 bytes of low nibbles, 64 of high 2-bit
-    pairs, 16 int8 scales and the float16 d; a block under GROUP_MAX_EPS is all zero bytes."""
-    scales, levels = _fit_qx(blocks.reshape(-1, 16), 32)
-    scales, levels = scales.reshape(-1, 16), levels.reshape(-1, 16, 16)
-    index = np.abs(scales).argmax(axis=1)[:, None]
-    max_scale = np.take_along_axis(scales, index, axis=1)
-    zero = np.abs(max_scale) < GROUP_MAX_EPS
-    with np.errstate(divide="ignore"):
-        iscale = np.where(zero, F32(0), F32(-128) / max_scale)
-        d = _half(np.where(zero, F32(0), F32(1) / iscale))
-    sc = np.minimum(127, _rint(iscale * scales)).astype(np.int8)
-    step = (d * sc.astype(np.float32))[:, :, None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        again = np.clip(_rint(blocks.reshape(-1, 16, 16) / step), -32, 31) + 32
-    levels = np.where(step != 0, again, levels).astype(np.uint8).reshape(-1, 2, 4, 32)
-    levels[zero[:, 0]] = 0
-    sc[zero[:, 0]] = 0
-    low = levels & 0xF  # (n, half, quarter, 32): value 128 h + 32 q + l
-    ql = np.concatenate([low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)],
-                        axis=2).reshape(-1, 128)
-    top = (levels >> 4).astype(np.uint8)
-    qh = (top[:, :, 0] | (top[:, :, 1] << 2) | (top[:, :, 2] << 4) | (top[:, :, 3] << 6)).reshape(-1, 64)
-    return np.concatenate([ql, qh, sc.view(np.uint8), d.astype(np.float16).view(np.uint8)], axis=1)
