@@ -73,7 +73,7 @@ def largest_magnitude(blocks: np.ndarray) -> np.ndarray:
 
 def cuda_half(blocks: np.ndarray, start: int) -> np.ndarray:
     """The float16 at byte `start` of every block of (rows, blocks, bytes), as float32 (rows, blocks)."""
-    return np.ascontiguousarray(blocks[:, :, start:start + 2]).view("<f2")[:, :, 0].astype(np.float32)
+    return half_column(blocks.reshape(-1, blocks.shape[2]), start).reshape(blocks.shape[:2])
 
 
 def cuda_bytes(blocks: np.ndarray, start: int, stop: int, dtype=np.uint8) -> np.ndarray:

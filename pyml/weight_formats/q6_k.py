@@ -73,9 +73,8 @@ def row_values(builder, row, values, use):
 
 def cuda_arrays(blocks):
     """low uint8 (in/2), high uint8 (in/4), scale = d * sc (in/16): weight = (q - 32) * scale."""
-    rows = blocks.shape[0]
-    scales = np.ascontiguousarray(blocks[:, :, 192:208]).view(np.int8).astype(np.float32)
-    scale = (nb.cuda_half(blocks, 208)[:, :, None] * scales).reshape(rows, -1)
+    flat = blocks.reshape(-1, 210)
+    scale = nb.per_sub_block(flat, 208, flat[:, 192:208].view(np.int8)).reshape(blocks.shape[0], -1)
     return nb.cuda_bytes(blocks, 0, 128), nb.cuda_bytes(blocks, 128, 192), np.ascontiguousarray(scale)
 
 
