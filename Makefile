@@ -10,7 +10,7 @@ SPECS := $(wildcard specs/*.toml)
 export NUMBA_CACHE_DIR ?= $(CURDIR)/.numba_cache
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup browser llama-cpp-python demo test test-fast test-slow gen check prove bench bench-llamacpp bench-serve lint mutants clean
+.PHONY: setup browser llama-cpp-python demo test test-fast test-slow gen check prove bench bench-llamacpp bench-serve gpu-wheels lint mutants clean
 
 setup: $(STAMP)
 
@@ -160,6 +160,18 @@ $(LLAMA_SERVER): $(STAMP)
 
 bench-serve: $(STAMP) $(MODEL)/spec.toml $(LLAMA_SERVER)
 	$(BIN)/python bench/serve.py --llama-server $(LLAMA_SERVER)
+
+# The wheels bench/gpu_check.sh installs on a lent GPU machine (issue 46; Python 3.12, x86-64,
+# no registry there): pyml's own dependencies its image lacks, at the versions the suite runs here.
+# Everything else the check needs (numba with numba-cuda, CuPy, torch, transformers, hypothesis,
+# pytest) the image has. `.whl` is ignored by git, and the device tool carries it (`carry: [".whl"]`).
+GPU_WHEELS := pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
+  typing-extensions==$(shell $(BIN)/python -c "import importlib.metadata as m; print(m.version('typing_extensions'))" 2>/dev/null) \
+  gguf==0.19.0 ruff==0.17.6
+gpu-wheels: $(STAMP)
+	rm -rf .whl && $(BIN)/pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl $(GPU_WHEELS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check pyml tests bench demo

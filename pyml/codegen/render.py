@@ -28,10 +28,11 @@ HEADERS = {
 # the modules a kernel module's digest covers (pyml check and the module's first line): the
 # shared kernels it re-exports, and what they import
 PACKAGE = Path(__file__).resolve().parents[1] / "package"
+IMPORTED_BY_SHARED_KERNELS = {"cpu": ["vector_math.py"], "cuda": ["vector_math.py", "cuda_products.py"]}
 SHARED_KERNEL_MODULES = {
     target: tuple(sorted(f"pyml/package/{path.relative_to(PACKAGE).as_posix()}"
                          for path in [*(PACKAGE / target).glob("*.py"), PACKAGE / f"kernels_{target}.py",
-                                      PACKAGE / "vector_math.py"]))
+                                      *(PACKAGE / name for name in IMPORTED_BY_SHARED_KERNELS[target])]))
     for target in ("cpu", "cuda")
 }
 

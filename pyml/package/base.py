@@ -93,6 +93,9 @@ class Device:
 
             if not cuda.is_available():
                 raise PymlError("device 'cuda' requested but no CUDA GPU is available")
+            from pyml.package.cuda_products import chosen_route
+
+            chosen_route()  # a bad PYML_CUDA_PRODUCTS fails here, in one line, not mid-step
             self.cuda, self.kernels = cuda, kernels_cuda()
         else:
             self.kernels = kernels_cpu()

@@ -7,6 +7,8 @@ import math
 import numpy as np
 from numba import cuda
 
+from pyml.package.cuda_products import chosen_route, cublas_matmul
+
 # AdamW adamw (CUDA) over flat 1-D buffers, one thread per element, with torch.optim.AdamW's
 # single-tensor arithmetic (see the CPU template for the torch lines each step mirrors).
 ADAMW_THREADS = 256
@@ -174,7 +176,8 @@ def copy_into(out, source):
 # Tiled shared-memory matrix product (MATMUL_TILE x MATMUL_TILE tiles), shared by every linear
 # layer, in three layouts so that no transposed copy is made: NT (x @ w.T), NN (dy @ w),
 # TN (dy.T @ x). One kernel per layout and dtype, so that tiles and accumulators stay in the input
-# dtype; whether an operand is transposed is a constant of its kernel.
+# dtype; whether an operand is transposed is a constant of its kernel. On a GPU,
+# PYML_CUDA_PRODUCTS=cublas runs the same products through cuBLAS instead.
 MATMUL_TILE = 16
 
 
@@ -216,7 +219,11 @@ MATMUL_KERNELS = {np.dtype(dtype): {layout: matmul_kernel(layout, dtype) for lay
 
 
 def matmul(layout, a, b, c):
-    # c is (M, N), a and b as `layout` says; c's dtype picks the kernel
+    # c is (M, N), a and b as `layout` says; c's dtype picks the kernel, or PYML_CUDA_PRODUCTS
+    # routes the product to cuBLAS (pyml/package/cuda_products.py)
+    if chosen_route() == "cublas":
+        cublas_matmul(layout, a, b, c)
+        return
     threads = (MATMUL_TILE, MATMUL_TILE)
     blocks = (
         (c.shape[1] + MATMUL_TILE - 1) // MATMUL_TILE,

@@ -1,24 +1,24 @@
-"""Exact-model conformance of the CUDA kernels, under Numba's CUDA simulator.
+"""Exact-model conformance of the CUDA kernels, under Numba's CUDA simulator or on a GPU (the switch
+of tests/support/cuda_target.py).
 
 The same cases as tests/proofs/test_conformance.py (the logic is in tests/support/conformance_cases.py), with
-arrays moved to the (simulated) device and back. Not collected directly (the name does not start
-with test_): tests/cuda/test_cuda_sim.py runs this file in a child pytest process with
-NUMBA_ENABLE_CUDASIM=1, because the variable only takes effect if it is set before numba.cuda is
-first imported, and pytest imports every test module of a session before running any. Fewer
-seeds than on the CPU: the simulator runs each thread as a Python thread.
+arrays moved to the device and back. Not collected directly (the name does not start with test_):
+tests/cuda/test_cuda_sim.py runs this file in a child pytest process, because NUMBA_ENABLE_CUDASIM
+only takes effect if it is set before numba.cuda is first imported, and pytest imports every test
+module of a session before running any. Fewer seeds than on the CPU: the simulator runs each thread
+as a Python thread.
 """
 
 from __future__ import annotations
 
-import os
+# isort: off
+from tests.support.cuda_target import check_target  # first: sets the target
+# isort: on
 
-os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+import pytest
+from numba import cuda
 
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from numba import cuda  # noqa: E402
-
-from tests.support.conformance_cases import (  # noqa: E402
+from tests.support.conformance_cases import (
     CONFIGS,
     Target,
     case_attention_backward,
@@ -35,9 +35,9 @@ CUDA = Target("cuda", lambda a: cuda.to_device(a.copy()), lambda d: d.copy_to_ho
 SEEDS = range(5)
 
 
-def test_simulator_is_on():
-    """The cases below run on Numba's CUDA simulator (device arrays are the simulator's)."""
-    assert "simulator" in type(cuda.to_device(np.zeros(1))).__module__
+def test_the_target_asked_for_runs():
+    """The cases below run where PYML_CUDA_TARGET says: the simulator's arrays, or a GPU's."""
+    check_target()
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -48,7 +48,7 @@ def test_frozen_linear_with_lora_adapters(seed):
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear(seed, bias):
+def test_linear(seed, bias, product_route):
     """linear forward == matMul X (transpose W) (+ vecAdd b per row); dX == matMul G W (Lean law
     linear_weight_adjoint_input), dW == matMul (transpose G) X (linear_weight_adjoint_weight),
     db == matMul (transpose 1) G (matmul_adjoint_right for the bias term 1 bᵀ)."""

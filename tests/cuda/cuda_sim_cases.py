@@ -1,27 +1,28 @@
-"""CUDA kernels under Numba's CUDA simulator, against the CPU kernels, in float64 and float32.
+"""CUDA kernels against the CPU kernels, in float64 and float32, under Numba's CUDA simulator or on
+a GPU (the switch of tests/support/cuda_target.py).
 
 float64: rtol 1e-12, atol 1e-14. float32 (the models' default dtype): the tolerances in TOL, a few
 float32 ulps, since the two targets round differently (the CPU sums in float64 or through BLAS and
-uses a float32 polynomial exp; the simulator evaluates each kernel's Python with NumPy scalars).
+uses a float32 polynomial exp; the simulator evaluates each kernel's Python with NumPy scalars; a
+GPU contracts multiply-adds into FMAs, and cuBLAS sums in its own order).
 
 Not collected directly (the name does not start with test_): tests/cuda/test_cuda_sim.py runs
-this file in a child pytest process with NUMBA_ENABLE_CUDASIM=1, because the variable only takes
-effect if it is set before numba.cuda is first imported, and pytest imports every test module of a
-session before running any.
+this file in a child pytest process, because NUMBA_ENABLE_CUDASIM only takes effect if it is set
+before numba.cuda is first imported, and pytest imports every test module of a session before
+running any.
 """
 
 from __future__ import annotations
 
-import os
+# isort: off
+from tests.support.cuda_target import check_target, kernel_is_targets  # first: sets the target
+# isort: on
 
-os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+import numpy as np
+import pytest
+from numba import cuda
 
-import numba  # noqa: E402
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-from numba import cuda  # noqa: E402
-
-from tests.support.kernel_harness import (  # noqa: E402
+from tests.support.kernel_harness import (
     ATTENTION_SCALES,
     DIMS,
     EMBEDDING_SCALES,
@@ -48,12 +49,12 @@ def cpu():
 @pytest.fixture(scope="module")
 def gpu():
     module = load("cuda", all_blocks("cuda"))
-    # what runs is the simulator: numba read the variable when numba.cuda was first imported, and
-    # the kernels are the simulator's (on a real device they would be numba's CUDA dispatchers)
-    assert numba.config.ENABLE_CUDASIM == 1
+    # what runs is the target asked for: numba read the variable when numba.cuda was first
+    # imported, and the kernels are the simulator's or, on a GPU, numba's CUDA dispatchers
+    check_target()
     from pyml.package.cuda import rmsnorm
 
-    assert type(rmsnorm.forward_kernel).__module__ == "numba.cuda.simulator.kernel"
+    assert kernel_is_targets(rmsnorm.forward_kernel)
     return module
 
 
@@ -80,9 +81,9 @@ def rand(rng, dtype, *shape):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [True, False])
-def test_linear(cpu, gpu, dtype, bias):
+def test_linear(cpu, gpu, dtype, bias, product_route):
     rng = np.random.default_rng(0)
-    n = 5
+    n = 17  # a whole tile of tokens and a part of one
     x, w, b = rand(rng, dtype, n, D), rand(rng, dtype, HIDDEN, D), rand(rng, dtype, HIDDEN)
     dy = rand(rng, dtype, n, HIDDEN)
     y, dx, dw, db = (np.zeros(a.shape, dtype) for a in (dy, x, w, b))

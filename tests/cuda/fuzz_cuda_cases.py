@@ -1,21 +1,20 @@
-"""The generator's fuzzing, on device="cuda" under Numba's CUDA simulator: random specs and the
-regression corpus, each generated package against the torch reference (loss, logits, every gradient
-and cached decoding, float64; the corpus also through the CUDA decode step, decode_cuda.py). Run
-by tests/cuda/test_cuda_sim.py in a process of its own; kept small, since the simulator runs each CUDA
-thread in Python."""
+"""The generator's fuzzing, on device="cuda" under Numba's CUDA simulator or on a GPU (the switch of
+tests/support/cuda_target.py): random specs and the regression corpus, each generated package
+against the torch reference (loss, logits, every gradient and cached decoding, float64; the corpus
+also through the CUDA decode step, decode_cuda.py). Run by tests/cuda/test_cuda_sim.py in a process
+of its own; kept small, since the simulator runs each CUDA thread in Python."""
 
-import os
+# isort: off
+from tests.support.cuda_target import check_target  # first: sets the target
+# isort: on
 
-os.environ["NUMBA_ENABLE_CUDASIM"] = "1"  # before numba.cuda is imported
+import tomllib
 
-import tomllib  # noqa: E402
+import pytest
+from hypothesis import HealthCheck, given, note, settings
+from hypothesis import strategies as st
 
-import pytest  # noqa: E402
-from hypothesis import HealthCheck, given, note, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from numba import config  # noqa: E402
-
-from tests.support.generator_fuzz import (  # noqa: E402
+from tests.support.generator_fuzz import (
     check_against_torch,
     corpus_specs,
     decoder_specs,
@@ -27,8 +26,8 @@ FUZZ = settings(max_examples=2, deadline=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-def test_the_simulator_is_what_runs():
-    assert config.ENABLE_CUDASIM == 1
+def test_the_target_asked_for_runs():
+    check_target()
 
 
 @FUZZ

@@ -1,20 +1,30 @@
-"""Generated models built on device="cuda" under Numba's CUDA simulator, against the same model on
-the CPU (float64): logits, loss, every gradient, a decoding step, a clipped AdamW step.
+"""Generated models built on device="cuda", under Numba's CUDA simulator or on a GPU (the switch of
+tests/support/cuda_target.py), against the same model on the CPU (float64): logits, loss, every
+gradient, a decoding step, a clipped AdamW step.
 
 Not collected directly (the name does not start with test_): tests/cuda/test_cuda_sim.py runs
-it in a child process with NUMBA_ENABLE_CUDASIM=1, which must be set before numba.cuda is first
-imported. The simulator runs every GPU thread in Python, so the batches are tiny. On a machine with
-a GPU, run this file directly without the variable to test the real device.
+it in a child process, since NUMBA_ENABLE_CUDASIM must be set before numba.cuda is first imported.
+The simulator runs every GPU thread in Python, so the batches are tiny.
 """
+
+# isort: off
+from tests.support.cuda_target import SIMULATED, check_target  # first: sets the target
+# isort: on
 
 import numpy as np
 import pytest
 
+from pyml.errors import PymlError
+from pyml.package.cuda_products import SWITCH
 from tests.support.project_packages import project_package
 
 llama = project_package("llama_tiny")
 mlp = project_package("mlp_digits")
 TOL = dict(rtol=1e-12, atol=1e-14)
+
+
+def test_the_target_asked_for_runs():
+    check_target()
 
 
 def pair(package):
@@ -27,7 +37,7 @@ def host(model, array):
     return model.device.to_host(array)
 
 
-def test_llama_tiny_logits_loss_gradients_and_decoding():
+def test_llama_tiny_logits_loss_gradients_and_decoding(product_route):
     gpu, cpu = pair(llama)
     rng = np.random.default_rng(0)
     ids, targets = rng.integers(0, llama.model.VOCAB, (2, 3)), rng.integers(0, llama.model.VOCAB, (2, 3))
@@ -74,7 +84,7 @@ def test_llama_tiny_recomputed_gradients_are_the_kept_ones():
     assert np.array_equal(host(gpu, gpu.grads.flat), kept[1])
 
 
-def test_mlp_digits_logits_loss_gradients_and_a_clipped_step():
+def test_mlp_digits_logits_loss_gradients_and_a_clipped_step(product_route):
     gpu, cpu = pair(mlp)
     rng = np.random.default_rng(0)
     inputs, targets = rng.standard_normal((3, mlp.model.INPUT_DIM)), np.array([0, 4, 9])
@@ -87,3 +97,13 @@ def test_mlp_digits_logits_loss_gradients_and_a_clipped_step():
     mlp.AdamW(gpu, **settings).step()
     mlp.AdamW(cpu, **settings).step()
     np.testing.assert_allclose(host(gpu, gpu.params.flat), cpu.params.flat, **TOL)
+
+
+def test_a_bad_products_route_fails_in_one_line_when_the_model_is_made(monkeypatch):
+    monkeypatch.setenv(SWITCH, "tensor-cores")
+    with pytest.raises(PymlError, match="PYML_CUDA_PRODUCTS='tensor-cores': expected one of kernels, cublas"):
+        llama.Model(device="cuda")
+    if SIMULATED:
+        monkeypatch.setenv(SWITCH, "cublas")
+        with pytest.raises(PymlError, match="cublas runs on a GPU; Numba's CUDA simulator runs the kernels only"):
+            llama.Model(device="cuda")

@@ -1,6 +1,6 @@
 """The generated CUDA decode step (gen/<name>/decode_cuda.py) and its linear map, under Numba's
-CUDA simulator (tests/support/cuda_simulator.py runs this file in a child process), or directly on a
-machine with a GPU:
+CUDA simulator or on a GPU (the switch of tests/support/cuda_target.py), in a child process of
+tests/support/cuda_simulator.py:
 
 - `linear_row` equals the exact model's matVec bit for bit in every format the step runs, on
   layers of two formats in one stack, and on a float64 model's dense rows (the cases of
@@ -10,6 +10,10 @@ machine with a GPU:
   rounding, and the same logits as the CPU's fused step;
 - the fuzz corpus' specs run through it in tests/cuda/fuzz_cuda_cases.py.
 """
+
+# isort: off
+from tests.support.cuda_target import check_target  # first: sets the target
+# isort: on
 
 import numpy as np
 import pytest
@@ -28,6 +32,10 @@ from tests.support.quantized_cases import (
 )
 
 tiny = project_package("llama_tiny").model
+
+
+def test_the_target_asked_for_runs():
+    check_target()
 
 
 def run_cuda_step(weight, layer, x):

@@ -1,8 +1,11 @@
-"""The CUDA case files, each run by a child pytest process under Numba's CUDA simulator, in the
-background while the rest of the suite runs; tests/cuda/test_cuda_sim.py reports their results.
+"""The CUDA case files, each run by a child pytest process under Numba's CUDA simulator (or on a GPU:
+PYML_CUDA_TARGET=device, tests/support/cuda_target.py), in the background while the rest of the
+suite runs; tests/cuda/test_cuda_sim.py reports their results.
 
-A child process: NUMBA_ENABLE_CUDASIM=1 only works if set before numba.cuda is first imported, and
-pytest imports every test module of a session before running any.
+A child process: NUMBA_ENABLE_CUDASIM only works if set before numba.cuda is first imported, and
+pytest imports every test module of a session before running any. Each case file sets it, from the
+switch, by importing tests/support/cuda_target.py first; this process never does, so that its own
+tests see no simulator.
 
 In the background: the simulator runs every GPU thread in Python, on one core, about fifteen
 minutes in all on the 2-core development machine, which was half of `make test` when the files ran
@@ -45,7 +48,7 @@ class BackgroundRuns:
         threading.Thread(target=self.run_all, args=(case_files,), daemon=True).start()
 
     def run_all(self, case_files: list[str]) -> None:
-        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+        env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(
             [str(ROOT), env.get("PYTHONPATH", "")]
         )
