@@ -26,8 +26,8 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/pyml-gpu-check}
 PYTHON=${PYTHON:-python3}
 STAGES=${*:-environment tests speed}
-TESTS_TIMEOUT=${TESTS_TIMEOUT:-270}
-SPEED_TIMEOUT=${SPEED_TIMEOUT:-240}
+TESTS_TIMEOUT=${TESTS_TIMEOUT:-330}
+SPEED_TIMEOUT=${SPEED_TIMEOUT:-210}
 CUDA_CASES=${CUDA_CASES:-fuzz_cuda_cases.py generated_cuda_sim_cases.py cuda_sim_cases.py conformance_cuda_cases.py quantized_decode_cuda_cases.py}
 GPU_STEP_ARGS=${GPU_STEP_ARGS:-}
 WHEELS=${WHEELS-.whl}  # empty: install nothing (a machine that has pyml's dependencies)
@@ -84,7 +84,7 @@ EOF
     cases_files=($CUDA_CASES)
     pids=()
     for cases in "${cases_files[@]}"; do
-      timeout "$TESTS_TIMEOUT" "$PYTHON" -m pytest -q -rfE -p no:cacheprovider "tests/cuda/$cases" \
+      timeout "$TESTS_TIMEOUT" "$PYTHON" -m pytest -q -rfE --durations=5 -p no:cacheprovider "tests/cuda/$cases" \
         >"$logs/$cases.log" 2>&1 &
       pids+=($!)
     done

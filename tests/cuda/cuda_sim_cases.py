@@ -15,7 +15,7 @@ running any.
 from __future__ import annotations
 
 # isort: off
-from tests.support.cuda_target import check_target, kernel_is_targets  # first: sets the target
+from tests.support.cuda_target import SIMULATED, check_target, kernel_is_targets  # first: sets the target
 # isort: on
 
 import numpy as np
@@ -82,6 +82,33 @@ def rand(rng, dtype, *shape):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bias", [True, False])
 def test_linear(cpu, gpu, dtype, bias, product_route):
+    check_linear(cpu, gpu, dtype, bias)
+
+
+class NumpyAsCupy:
+    """The two CuPy calls of the cuBLAS route (pyml/package/cuda_products.py) over the simulator's
+    device arrays, which hold a numpy array (`_ary`) as their memory: so that where no GPU is, the
+    route's layouts, transposes and output are still held to the CPU's products."""
+
+    @staticmethod
+    def asarray(device_array):
+        return device_array._ary
+
+    matmul = staticmethod(np.matmul)
+
+
+@pytest.mark.skipif(not SIMULATED, reason="on a GPU, test_linear runs the route on CuPy itself")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_through_the_cublas_routes_layouts(cpu, gpu, dtype, bias, monkeypatch):
+    from pyml.package import cuda_products
+
+    monkeypatch.setattr(cuda_products, "cupy_module", lambda simulated: NumpyAsCupy)
+    monkeypatch.setenv(cuda_products.SWITCH, "cublas")
+    check_linear(cpu, gpu, dtype, bias)
+
+
+def check_linear(cpu, gpu, dtype, bias):
     rng = np.random.default_rng(0)
     n = 17  # a whole tile of tokens and a part of one
     x, w, b = rand(rng, dtype, n, D), rand(rng, dtype, HIDDEN, D), rand(rng, dtype, HIDDEN)
