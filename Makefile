@@ -162,12 +162,14 @@ bench-serve: $(STAMP) $(MODEL)/spec.toml $(LLAMA_SERVER)
 	$(BIN)/python bench/serve.py --llama-server $(LLAMA_SERVER)
 
 # The wheels bench/gpu_check.sh installs on a lent GPU machine (issue 46; Python 3.12, x86-64,
-# no registry there): pyml's own dependencies its image lacks, at the versions the suite runs here.
-# Everything else the check needs (numba with numba-cuda, CuPy, torch, transformers, hypothesis,
-# pytest) the image has. `.whl` is ignored by git, and the device tool carries it (`carry: [".whl"]`).
+# no registry there): pyml's own dependencies its image lacks, at the versions the suite runs here,
+# and numpy 2.4: numba-cuda 0.30.4, the newest on PyPI, fails to import under numpy 2.5 (it
+# overloads np.row_stack, which 2.5 removed), and the image has numpy 2.5.2. Everything else the
+# check needs (numba with numba-cuda, CuPy, torch, transformers, hypothesis, pytest) the image has.
+# `.whl` is ignored by git, and the device tool carries it (`carry: [".whl"]`).
 GPU_WHEELS := pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
   typing-extensions==$(shell $(BIN)/python -c "import importlib.metadata as m; print(m.version('typing_extensions'))" 2>/dev/null) \
-  gguf==0.19.0 ruff==0.17.6
+  gguf==0.19.0 ruff==0.17.6 numpy==2.4.6
 gpu-wheels: $(STAMP)
 	rm -rf .whl && $(BIN)/pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
 	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \

@@ -6,6 +6,11 @@ multiply by it compute Lean law linear_input_adjoint's forward, matVec W v, on t
 dequantization W of the stored values. A kernel's threads read consecutive k, hence consecutive
 bytes of a row. `block_sum` is the tree that adds a block's partial sums in a fixed order, so a
 row's result does not depend on which thread finished first.
+
+Bytes are widened to int32 before their bits are combined: Numba types `byte >> 4` as uint64 and
+`byte & 15` as int64, and the two arms of a choice between them unify to float64, which has no `|`
+(Numba refuses the kernel; the simulator, which computes with NumPy scalars, does not notice:
+bench/cuda_ptx_check.py found it).
 """
 
 import numpy as np
@@ -29,9 +34,9 @@ def q5_weight(values, high, scale, offset, row, k):
     """Q5_0: the low nibbles as Q4_0's, the fifth bit of value i of a block bit i % 8 of its byte
     i // 8 of `high`."""
     block, i = k // 32, k % 32
-    packed = values[row, 16 * block + i % 16]
+    packed = np.int32(values[row, 16 * block + i % 16])
     nibble = (packed >> 4) if i >= 16 else (packed & 15)
-    fifth = (high[row, 4 * block + i // 8] >> (i % 8)) & 1
+    fifth = (np.int32(high[row, 4 * block + i // 8]) >> (i % 8)) & 1
     return np.float32(nibble | (fifth << 4)) * scale[row, block] + offset[row, block]
 
 
@@ -49,9 +54,9 @@ def q6_weight(low, high, scale, row, k):
     """Q6_K: k = 128 h + 32 j + i is the low nibble of low byte 64 h + 32 (j % 2) + i (its high
     nibble for j >= 2) and bits 2j, 2j + 1 of high byte 32 h + i, less 32."""
     h, j, i = k // 128, k % 128 // 32, k % 32
-    packed = low[row, 64 * h + 32 * (j % 2) + i]
+    packed = np.int32(low[row, 64 * h + 32 * (j % 2) + i])
     nibble = (packed >> 4) if j >= 2 else (packed & 15)
-    q = nibble | (((high[row, 32 * h + i] >> (2 * j)) & 3) << 4)
+    q = nibble | (((np.int32(high[row, 32 * h + i]) >> (2 * j)) & 3) << 4)
     return np.float32(np.int32(q) - 32) * scale[row, k // 16]
 
 

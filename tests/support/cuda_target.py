@@ -1,7 +1,7 @@
 """Where the CUDA case files (tests/cuda/*_cases.py) run: Numba's CUDA simulator, the default and
 all that CI here has, or a real NVIDIA GPU, chosen by one switch:
 
-    PYML_CUDA_TARGET=device python -m pytest tests/cuda       (bench/gpu_check.sh runs this)
+    PYML_CUDA_TARGET=device python -m pytest tests/cuda       (bench/gpu_check.sh: a file at a time)
 
 Importing this module sets NUMBA_ENABLE_CUDASIM from the switch, so a case file imports it before
 anything imports numba: Numba reads the variable once, when numba.cuda is first imported. The main
